@@ -1,0 +1,140 @@
+"""Attention over a paged KV cache: the contract between model layers and the engine.
+
+Legend: T = tokens in the flattened batch, B = sequences, H = query heads, Hkv = KV heads,
+D = q/k head dim, Dv = v head dim, P = pages in the pool, S = page size (tokens per page).
+
+A batch is the concatenation of every sequence's *new* tokens (prefill chunk or one decode
+token). Sequence b owns rows ``query_start_loc[b]:query_start_loc[b+1]``; its new tokens sit at
+the end of its context of ``seq_lens[b]`` tokens, earlier tokens already live in the cache.
+
+KV cache of one full-attention layer: ``k_cache [P, S, Hkv, D]`` and ``v_cache [P, S, Hkv, Dv]``.
+K is stored post-RoPE. Token slot ``page * S + offset`` holds the token at ``offset`` of that page.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    query_start_loc: list[int]  # [B+1] offsets of each sequence's new tokens in the batch
+    seq_lens: list[int]  # [B] context length including this step's new tokens
+    block_tables: torch.Tensor | None  # [B, max_pages] int64 page ids; None => no cache
+    slot_mapping: torch.Tensor | None  # [T] int64 flat slot each new token's K/V is written to
+    page_size: int = 0
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @classmethod
+    def dense(cls, query_lens: Sequence[int]) -> AttentionMetadata:
+        """Cache-less metadata: each sequence is wholly new and attends causally to itself."""
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        return cls(query_start_loc=starts, seq_lens=list(query_lens), block_tables=None, slot_mapping=None)
+
+
+class AttentionBackend(ABC):
+    """Writes the new K/V into the cache and computes causal attention for every new token."""
+
+    name: str
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, Dv]
+        kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, H, Dv]
+        ...
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+              length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``length`` tokens of one sequence as contiguous [L, Hkv, D] / [L, Hkv, Dv]."""
+    page_size = k_cache.shape[1]
+    pages = block_table[: (length + page_size - 1) // page_size]
+    k = k_cache.index_select(0, pages).flatten(0, 1)[:length]
+    v = v_cache.index_select(0, pages).flatten(0, 1)[:length]
+    return k, v
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [Lq, H, D] are the last Lq tokens of the Lk-token context k [Lk, Hkv, D], v [Lk, Hkv, Dv]."""
+    lq, lk = q.shape[0], k.shape[0]
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    if kh.shape[0] != qh.shape[0]:
+        group = qh.shape[0] // kh.shape[0]
+        kh, vh = kh.repeat_interleave(group, 0), vh.repeat_interleave(group, 0)
+    if lq == lk:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+    elif lq == 1:
+        out = F.scaled_dot_product_attention(qh, kh, vh, scale=scale)
+    else:
+        # query i sits at absolute position lk - lq + i and sees keys 0..lk-lq+i
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+    return out.transpose(0, 1)
+
+
+class TorchPagedAttention(AttentionBackend):
+    """Reference backend: scatter new K/V into pages, gather each sequence's context, SDPA."""
+
+    name = "torch"
+
+    def forward(self, q, k, v, kv_cache, meta, scale):
+        if kv_cache is not None and meta.slot_mapping is not None:
+            write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
+        out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+        for b in range(meta.num_seqs):
+            start, end = meta.query_start_loc[b], meta.query_start_loc[b + 1]
+            q_len, ctx_len = end - start, meta.seq_lens[b]
+            if q_len == ctx_len or kv_cache is None:
+                kb, vb = k[start:end], v[start:end]
+            else:
+                kb, vb = gather_kv(kv_cache[0], kv_cache[1], meta.block_tables[b], ctx_len)
+            out[start:end] = causal_attention(q[start:end], kb, vb, scale)
+        return out
+
+
+_BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchPagedAttention}
+
+
+def get_attention_backend(name: str = "torch") -> AttentionBackend:
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}")
+    return _BACKENDS[name]()
+
+
+@dataclass
+class AttentionContext:
+    """What one forward pass hands to every attention layer: backend, metadata, per-layer caches."""
+
+    backend: AttentionBackend
+    meta: AttentionMetadata
+    kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def attend(self, layer_idx: int, q, k, v, scale: float) -> torch.Tensor:
+        cache = self.kv_caches[layer_idx] if self.kv_caches is not None else None
+        return self.backend.forward(q, k, v, cache, self.meta, scale)
+
+    @classmethod
+    def dense(cls, query_lens: Sequence[int]) -> AttentionContext:
+        return cls(TorchPagedAttention(), AttentionMetadata.dense(query_lens))
