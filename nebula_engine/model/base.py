@@ -1,0 +1,75 @@
+"""Decoder-only causal LM skeleton; a family only says how to build layer ``i``.
+
+Parameter names equal Hugging Face names (``model.layers.{i}...``, ``lm_head.weight``), so weight
+loading is a lookup. Legend: T = tokens in the flattened batch, Hd = hidden size, V = vocab.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from nebula_engine.kernels.attention import AttentionContext
+from nebula_engine.model.config import ModelConfig
+from nebula_engine.model.layers import RMSNorm, RopeAttention
+from nebula_engine.model.weights import load_named_weights
+
+
+class DecoderStack(nn.Module):
+    """What HF calls ``model``: embeddings, decoder layers, final norm."""
+
+    def __init__(self, config: ModelConfig, layers: list[nn.Module]):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module, ABC):
+    """Interface the engine relies on: forward, compute_logits, load_weights, KV cache shapes."""
+
+    # checkpoint names (regexes) that carry no parameters of ours
+    ignored_weights: tuple[str, ...] = (r"rotary_emb\.inv_freq$",)
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = DecoderStack(config, [self.make_layer(i) for i in range(config.num_hidden_layers)])
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @abstractmethod
+    def make_layer(self, layer_idx: int) -> nn.Module:
+        """Decoder layer ``layer_idx``, called with ``forward(positions, hidden, attn_ctx)``."""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_ctx: AttentionContext) -> torch.Tensor:
+        """input_ids, positions [T] (flattened varlen batch) -> final-normed hidden [T, Hd]."""
+        hidden = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            hidden = layer(positions, hidden, attn_ctx)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, Hd] -> fp32 logits [n, V]."""
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_named_weights(self, weights, ignore=self.ignored_weights,
+                           tied_lm_head=self.config.tie_word_embeddings)
+
+    def attention_layers(self) -> list[RopeAttention]:
+        """Attention modules ordered by their index into ``AttentionContext.kv_caches``."""
+        layers = [m for m in self.modules() if isinstance(m, RopeAttention)]
+        return sorted(layers, key=lambda m: m.attn_layer_idx)
+
+    @property
+    def num_attention_layers(self) -> int:
+        return len(self.attention_layers())
+
+    def kv_cache_shape_per_layer(self) -> list[tuple[int, int, int]]:
+        """``(num_kv_heads, head_dim, v_head_dim)`` for each attention layer, in kv_caches order."""
+        return [(m.num_kv_heads, m.head_dim, m.v_head_dim) for m in self.attention_layers()]

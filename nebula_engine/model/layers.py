@@ -1,0 +1,155 @@
+"""Blocks shared by every model family.
+
+Legend: T = tokens in the flattened batch, Hd = hidden size, H = query heads, Hkv = KV heads,
+D = head dim, I = MLP width, E = experts, k = experts per token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nebula_engine.kernels.attention import AttentionContext
+from nebula_engine.model.config import ModelConfig
+from nebula_engine.model.rotary import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    """``x * rsqrt(mean(x²) + eps) * w`` in fp32; ``zero_centered`` multiplies by ``(1 + w)`` (Qwen3.5)."""
+
+    def __init__(self, dim: int, eps: float, zero_centered: bool = False):
+        super().__init__()
+        self.eps = eps
+        self.zero_centered = zero_centered
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.zero_centered:
+            return (normed * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * normed.to(x.dtype)
+
+
+class RopeAttention(nn.Module):
+    """Multi-head attention with GQA, RoPE and optional per-head QK-norm (Qwen3).
+
+    ``attn_layer_idx`` is this layer's index among the model's attention layers, i.e. into
+    ``AttentionContext.kv_caches`` (not the decoder-layer index, which differs in hybrid models).
+    """
+
+    def __init__(self, config: ModelConfig, attn_layer_idx: int, qk_norm: bool = False):
+        super().__init__()
+        self.attn_layer_idx = attn_layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = self.v_head_dim = config.head_dim
+        self.scale = self.head_dim**-0.5
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.qk_norm = qk_norm
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config.rope)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, attn_ctx: AttentionContext) -> torch.Tensor:
+        tokens = x.shape[0]
+        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q), self.rotary(positions, k)
+        out = attn_ctx.attend(self.attn_layer_idx, q, k, v, self.scale)  # [T, H, D]
+        return self.o_proj(out.flatten(1))
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU: ``down(silu(gate x) * up x)``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class StackedExperts(nn.Module):
+    """E SwiGLU experts stacked as in transformers v5 and gpt-fast.
+
+    ``gate_up_proj`` [E, 2I, Hd] holds gate rows then up rows; ``down_proj`` [E, Hd, I].
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        nn.init.normal_(self.gate_up_proj, std=0.02)
+        nn.init.normal_(self.down_proj, std=0.02)
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, Hd]; expert_ids, weights [T, k] -> [T, Hd]."""
+        top_k = expert_ids.shape[1]
+        flat_ids = expert_ids.flatten()  # [T*k]
+        order = flat_ids.argsort(stable=True)  # (token, slot) pairs grouped by expert
+        token_of = order // top_k
+        weight_of = weights.flatten()[order]
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = token_of[start : start + count]
+            gate, up = F.linear(x[rows], self.gate_up_proj[expert]).chunk(2, dim=-1)  # [n, I] each
+            y = F.linear(F.silu(gate) * up, self.down_proj[expert])  # [n, Hd]
+            out.index_add_(0, rows, y * weight_of[start : start + count, None])
+            start += count
+        return out
+
+
+class SparseMoE(nn.Module):
+    """Softmax top-k router (fp32) over stacked experts; optional renormalisation of the top-k."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
+                 renormalize: bool):
+        super().__init__()
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.experts = StackedExperts(num_experts, hidden_size, intermediate_size)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # [T, E]
+        weights, expert_ids = probs.topk(self.top_k, dim=-1)  # [T, k]
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return expert_ids, weights.to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts(x, *self.route(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: ``x += mixer(norm1(x)); x += mlp(norm2(x))``."""
+
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float):
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, attn_ctx: AttentionContext) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), attn_ctx)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))

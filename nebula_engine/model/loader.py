@@ -1,0 +1,93 @@
+"""Find a checkpoint (local dir or hub id), build the model for its ``model_type``, load safetensors."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from nebula_engine.model.config import ModelConfig
+from nebula_engine.model.registry import get_model_class
+
+_HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.tiktoken", "*.model", "*.txt"]
+
+
+def resolve_checkpoint_dir(model: str) -> Path:
+    """A local directory as is; otherwise a hub id fetched (or found in cache) by snapshot_download."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
+    try:
+        return Path(snapshot_download(repo_id=model, allow_patterns=_HUB_FILES, local_files_only=offline))
+    except LocalEntryNotFoundError as exc:
+        hint = "HF_HUB_OFFLINE is set and it is not in the local cache" if offline else "it could not be fetched"
+        raise FileNotFoundError(f"{model!r} is not a local directory and {hint}: {exc}") from exc
+
+
+def safetensors_files(checkpoint_dir: Path) -> list[Path]:
+    """Shards listed in ``model.safetensors.index.json``, else ``model.safetensors``, else ``*.safetensors``."""
+    index = checkpoint_dir / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [checkpoint_dir / shard for shard in shards]
+        for file in files:
+            if not file.is_file():
+                raise FileNotFoundError(f"shard {file.name} named in {index.name} is missing from {checkpoint_dir}")
+        return files
+    single = checkpoint_dir / "model.safetensors"
+    files = [single] if single.is_file() else sorted(checkpoint_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {checkpoint_dir}")
+    return files
+
+
+def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs from every file, read lazily one tensor at a time on CPU."""
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as reader:
+                for name in reader.keys():
+                    yield name, reader.get_tensor(name)
+        except SafetensorError as exc:
+            raise ValueError(f"corrupt or truncated safetensors file {file}: {exc}") from exc
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_model(config: ModelConfig, dtype: torch.dtype = torch.float32,
+                device: str | torch.device = "cpu") -> nn.Module:
+    """An (unloaded) model of ``config``'s family with parameters in ``dtype`` on ``device``.
+
+    RoPE frequency buffers are created explicitly in fp32 and so stay fp32.
+    """
+    model_class = get_model_class(config.model_type)
+    with _default_dtype(dtype), torch.device(device):
+        return model_class(config)
+
+
+def load_model(model: str, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu") -> tuple[nn.Module, ModelConfig, Path]:
+    """Resolve ``model`` (dir or hub id), build it and load its weights; returns (module, config, dir)."""
+    checkpoint_dir = resolve_checkpoint_dir(model)
+    config = ModelConfig.from_hf(checkpoint_dir)
+    module = build_model(config, dtype, device)
+    module.load_weights(iter_safetensors(safetensors_files(checkpoint_dir)))
+    return module.eval(), config, checkpoint_dir

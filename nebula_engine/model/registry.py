@@ -1,0 +1,24 @@
+"""``model_type`` (from config.json) -> model class, imported lazily."""
+
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+
+_MODELS: dict[str, str] = {
+    "mistral": "nebula_engine.model.mistral:MistralForCausalLM",
+    "qwen3": "nebula_engine.model.qwen3:Qwen3ForCausalLM",
+    "qwen3_moe": "nebula_engine.model.qwen3_moe:Qwen3MoeForCausalLM",
+}
+
+
+def supported_model_types() -> list[str]:
+    return sorted(_MODELS)
+
+
+def get_model_class(model_type: str) -> type[nn.Module]:
+    if model_type not in _MODELS:
+        raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(supported_model_types())}")
+    module_name, class_name = _MODELS[model_type].split(":")
+    return getattr(importlib.import_module(module_name), class_name)

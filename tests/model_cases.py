@@ -1,0 +1,65 @@
+"""The one table of tiny model cases, shared by model tests and engine tests.
+
+Usage: ``from tests.model_cases import MODEL_CASES, build_checkpoint`` and, for a session-wide
+cache of checkpoint dirs, import the ``checkpoint_factory`` fixture into the test module.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from nebula_engine.model.tiny import make_tiny_checkpoint
+
+
+@dataclass(frozen=True)
+class ModelCase:
+    name: str
+    family: str
+    overrides: dict[str, Any] = field(default_factory=dict)  # HF config fields
+    seed: int = 0
+
+    def __str__(self) -> str:
+        return self.name
+
+
+MODEL_CASES: tuple[ModelCase, ...] = (
+    ModelCase("mistral_gqa2", "mistral"),
+    ModelCase("mistral_mqa_hd24_tied", "mistral",
+              dict(num_attention_heads=4, num_key_value_heads=1, head_dim=24, tie_word_embeddings=True), seed=1),
+    ModelCase("qwen3_gqa2_hd20", "qwen3", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=20), seed=2),
+    ModelCase("qwen3_mha_tied_theta1e6", "qwen3",
+              dict(num_key_value_heads=4, tie_word_embeddings=True, rope_parameters={"rope_theta": 1e6}), seed=3),
+    ModelCase("qwen3_yarn", "qwen3",
+              dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                                    "original_max_position_embeddings": 1024}), seed=4),
+    ModelCase("qwen3_moe_renorm", "qwen3_moe", dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=True), seed=5),
+    ModelCase("qwen3_moe_step2_mlp_only_no_renorm", "qwen3_moe",
+              dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1, head_dim=24,
+                   num_experts=6, num_experts_per_tok=3, norm_topk_prob=False, decoder_sparse_step=2,
+                   mlp_only_layers=[3]), seed=6),
+)
+
+CASES_BY_NAME = {case.name: case for case in MODEL_CASES}
+
+
+def build_checkpoint(case: ModelCase, root: Path) -> Path:
+    """The checkpoint dir for ``case`` under ``root``, written on first use (atomically, via rename)."""
+    out = Path(root) / case.name
+    if not out.is_dir():
+        staging = Path(root) / f".{case.name}.partial"
+        shutil.rmtree(staging, ignore_errors=True)
+        make_tiny_checkpoint(case.family, staging, seed=case.seed, **case.overrides)
+        staging.rename(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def checkpoint_factory(tmp_path_factory) -> Callable[[ModelCase], Path]:
+    """Session-wide: ``checkpoint_factory(case)`` builds each case's checkpoint once."""
+    root = tmp_path_factory.mktemp("tiny_checkpoints")
+    return lambda case: build_checkpoint(case, root)
