@@ -44,7 +44,24 @@ MODEL_CASES: tuple[ModelCase, ...] = (
                    mlp_only_layers=[3]), seed=6),
 )
 
-CASES_BY_NAME = {case.name: case for case in MODEL_CASES}
+# Families whose caches the engine does not serve yet (MLA, hybrid linear attention): model tests only.
+_YARN_V2_LITE = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 512,
+                 "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
+HYBRID_AND_MLA_CASES: tuple[ModelCase, ...] = (
+    ModelCase("deepseek_v2_lite_greedy_yarn", "deepseek_v2", dict(rope_parameters=_YARN_V2_LITE), seed=7),
+    # V2-shaped: q LoRA, group-limited routing, scaled weights, mscale != mscale_all_dim (cos/sin scaled too)
+    ModelCase("deepseek_v2_qlora_group_limited", "deepseek_v2",
+              dict(num_hidden_layers=3, q_lora_rank=24, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                   num_experts_per_tok=3, routed_scaling_factor=2.5, n_shared_experts=1, first_k_dense_replace=1,
+                   rope_parameters={**_YARN_V2_LITE, "mscale": 1.0, "mscale_all_dim": 0.8}), seed=8),
+    ModelCase("qwen3_5_linear_full_linear", "qwen3_5", seed=9),
+    # init 0.1: with 0.15 this 4-layer MoE amplifies fp32 rounding past 1e-4 (each layer matches to 1e-6)
+    ModelCase("qwen3_5_moe_full_linear_linear_full_tied", "qwen3_5_moe",
+              dict(num_hidden_layers=4, tie_word_embeddings=True, initializer_range=0.1,
+                   layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention"]), seed=10),
+)
+
+CASES_BY_NAME = {case.name: case for case in MODEL_CASES + HYBRID_AND_MLA_CASES}
 
 
 def build_checkpoint(case: ModelCase, root: Path) -> Path:

@@ -12,6 +12,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 _REQUIRED = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+# families whose every layer is MoE: config.json has no dense ``intermediate_size``
+_NO_DENSE_MLP = ("qwen3_5_moe", "qwen3_5_moe_text")
+# transformers' default partial_rotary_factor where config.json may omit it (Qwen3.5 rotates 1/4 of each head)
+_DEFAULT_PARTIAL_ROTARY = {"qwen3_5_text": 0.25, "qwen3_5_moe_text": 0.25}
 
 
 @dataclass(frozen=True)
@@ -75,7 +79,7 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, config: Mapping[str, Any] | str | Path, rope_style: str = "neox") -> ModelConfig:
         """Build from a config.json dict, a path to config.json, or a checkpoint directory."""
-        raw = _read_config(config)
+        raw = _with_default_partial_rotary(_text_part(_read_config(config)))
         missing = [key for key in _REQUIRED if raw.get(key) is None]
         if missing:
             raise ValueError(f"config.json is missing required field(s): {', '.join(missing)}")
@@ -84,6 +88,8 @@ class ModelConfig:
         heads = raw["num_attention_heads"]
         head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
         intermediate = raw.get("intermediate_size")
+        if intermediate is None and raw["model_type"] in _NO_DENSE_MLP:
+            intermediate = 0
         if intermediate is None:
             raise ValueError("config.json is missing required field(s): intermediate_size")
         return cls(
@@ -131,6 +137,26 @@ def _read_config(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"no config.json at {path}")
     return json.loads(path.read_text())
+
+
+def _text_part(raw: dict[str, Any]) -> dict[str, Any]:
+    """A vision-language wrapper's (Qwen3.5: ``qwen3_5``) ``text_config``, else ``raw`` unchanged.
+
+    Top-level fields the wrapper keeps for the whole model (tied embeddings) override the text part's.
+    """
+    text = raw.get("text_config")
+    if not isinstance(text, Mapping):
+        return raw
+    merged = {**text, "model_type": text.get("model_type") or raw["model_type"]}
+    if "tie_word_embeddings" in raw:
+        merged["tie_word_embeddings"] = raw["tie_word_embeddings"]
+    return merged
+
+
+def _with_default_partial_rotary(raw: dict[str, Any]) -> dict[str, Any]:
+    default = _DEFAULT_PARTIAL_ROTARY.get(raw.get("model_type"))
+    given = "partial_rotary_factor" in raw or "partial_rotary_factor" in (raw.get("rope_parameters") or {})
+    return raw if default is None or given else {**raw, "partial_rotary_factor": default}
 
 
 def _as_int_tuple(value: int | list[int] | None) -> tuple[int, ...]:

@@ -35,38 +35,49 @@ class RMSNorm(nn.Module):
 class RopeAttention(nn.Module):
     """Multi-head attention with GQA, RoPE and optional per-head QK-norm (Qwen3).
 
+    ``output_gate`` (Qwen3.5): q_proj also yields a per-head gate; the output is ``out * sigmoid(gate)``
+    before o_proj. ``zero_centered_norm`` makes the QK-norms multiply by ``(1 + w)``.
+
     ``attn_layer_idx`` is this layer's index among the model's attention layers, i.e. into
     ``AttentionContext.kv_caches`` (not the decoder-layer index, which differs in hybrid models).
     """
 
-    def __init__(self, config: ModelConfig, attn_layer_idx: int, qk_norm: bool = False):
+    def __init__(self, config: ModelConfig, attn_layer_idx: int, qk_norm: bool = False, output_gate: bool = False,
+                 zero_centered_norm: bool = False):
         super().__init__()
         self.attn_layer_idx = attn_layer_idx
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = self.v_head_dim = config.head_dim
         self.scale = self.head_dim**-0.5
+        self.output_gate = output_gate
         bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        q_width = self.num_heads * self.head_dim * (2 if output_gate else 1)
+        self.q_proj = nn.Linear(config.hidden_size, q_width, bias=bias)
         self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
         self.qk_norm = qk_norm
         if qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, zero_centered_norm)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, zero_centered_norm)
         self.rotary = RotaryEmbedding(config.rope)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, attn_ctx: AttentionContext) -> torch.Tensor:
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        if self.output_gate:  # q_proj rows are grouped per head as [q_h; gate_h] (Qwen3.5)
+            q, gate = self.q_proj(x).view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)  # [T, H, D]
+        else:
+            q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q), self.rotary(positions, k)
-        out = attn_ctx.attend(self.attn_layer_idx, q, k, v, self.scale)  # [T, H, D]
-        return self.o_proj(out.flatten(1))
+        out = attn_ctx.attend(self.attn_layer_idx, q, k, v, self.scale).flatten(1)  # [T, H*D]
+        if self.output_gate:
+            out = out * torch.sigmoid(gate.flatten(1))
+        return self.o_proj(out)
 
 
 class GatedMLP(nn.Module):
@@ -138,6 +149,19 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.experts(x, *self.route(x))
+
+
+class SharedExpertMoE(SparseMoE):
+    """Routed experts plus one always-on SwiGLU expert scaled by ``sigmoid(shared_expert_gate x)`` (Qwen3.5-MoE)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool,
+                 shared_intermediate_size: int):
+        super().__init__(hidden_size, num_experts, top_k, intermediate_size, renormalize)
+        self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size)
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 
 class DecoderLayer(nn.Module):

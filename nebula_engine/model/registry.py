@@ -10,6 +10,12 @@ _MODELS: dict[str, str] = {
     "mistral": "nebula_engine.model.mistral:MistralForCausalLM",
     "qwen3": "nebula_engine.model.qwen3:Qwen3ForCausalLM",
     "qwen3_moe": "nebula_engine.model.qwen3_moe:Qwen3MoeForCausalLM",
+    "deepseek_v2": "nebula_engine.model.deepseek_v2:DeepseekV2ForCausalLM",
+    # the VL wrappers' types too: ModelConfig.from_hf reads their text_config
+    "qwen3_5": "nebula_engine.model.qwen3_5:Qwen3_5ForCausalLM",
+    "qwen3_5_text": "nebula_engine.model.qwen3_5:Qwen3_5ForCausalLM",
+    "qwen3_5_moe": "nebula_engine.model.qwen3_5:Qwen3_5MoeForCausalLM",
+    "qwen3_5_moe_text": "nebula_engine.model.qwen3_5:Qwen3_5MoeForCausalLM",
 }
 
 

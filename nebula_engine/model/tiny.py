@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-TINY_FAMILIES = ("mistral", "qwen3", "qwen3_moe")
+TINY_FAMILIES = ("mistral", "qwen3", "qwen3_moe", "deepseek_v2", "qwen3_5", "qwen3_5_moe")
 
 QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHATML_TEMPLATE = (
@@ -33,15 +33,34 @@ _TINY_DEFAULTS: dict[str, Any] = dict(
     hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
     intermediate_size=128, max_position_embeddings=4096, initializer_range=0.15, tie_word_embeddings=False,
 )
+# Qwen3.5 hybrid: linear (Gated DeltaNet), full, linear; partial RoPE on 8 of 32 dims; dk != dv
+_HYBRID_DEFAULTS: dict[str, Any] = dict(
+    num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"], head_dim=32,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+    linear_conv_kernel_dim=4,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                     "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+)
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "mistral": dict(sliding_window=None),  # as in Mistral-7B-v0.2
     "qwen3": {},
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
                       decoder_sparse_step=1, mlp_only_layers=[]),
+    # V2-Lite-shaped MLA (no q LoRA) with D = 16 + 8 != Dv = 12; transformers needs Hkv == H (None => H)
+    "deepseek_v2": dict(num_key_value_heads=None, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
+                        qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, n_shared_experts=2,
+                        num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                        topk_method="greedy", routed_scaling_factor=1.0, norm_topk_prob=False),
+    "qwen3_5": dict(_HYBRID_DEFAULTS),
+    "qwen3_5_moe": dict(_HYBRID_DEFAULTS, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                        shared_expert_intermediate_size=48),
 }
+# fields the family's HF config does not have (Qwen3.5-MoE: every layer is MoE, no dense width)
+_DROPPED_FIELDS: dict[str, tuple[str, ...]] = {"qwen3_5_moe": ("intermediate_size",)}
 
 
 def _tokenizer_source(family: str) -> Path:
+    """Mistral's own; every other family (DeepSeek too: any real offline tokenizer will do) reuses Qwen's."""
     return _mistral_tokenizer_dir() if family == "mistral" else _qwen_tokenizer_dir()
 
 
@@ -106,6 +125,9 @@ def _hf_model(family: str, settings: dict[str, Any]) -> torch.nn.Module:
         "mistral": ("MistralConfig", "MistralForCausalLM"),
         "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
         "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+        "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
+        "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
+        "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
     }[family]
     config = getattr(transformers, config_class)(**settings)
     return getattr(transformers, model_class)(config)
@@ -113,9 +135,10 @@ def _hf_model(family: str, settings: dict[str, Any]) -> torch.nn.Module:
 
 @torch.no_grad()
 def _perturb_norms(model: torch.nn.Module, generator: torch.Generator) -> None:
+    """Around each norm's initial value: 1 for ``x * w`` norms, 0 for zero-centred ``x * (1 + w)`` ones."""
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
-            param.copy_(1.0 + 0.2 * torch.randn(param.shape, generator=generator))
+            param.copy_(param + 0.2 * torch.randn(param.shape, generator=generator))
 
 
 def make_tiny_checkpoint(family: str, out_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
@@ -133,6 +156,8 @@ def make_tiny_checkpoint(family: str, out_dir: str | Path, seed: int = 0, **over
     settings = {**_TINY_DEFAULTS, **_FAMILY_DEFAULTS[family],
                 "vocab_size": -(-tokenizer_size // 64) * 64, "bos_token_id": bos, "eos_token_id": eos,
                 "pad_token_id": eos, **overrides}
+    for name in _DROPPED_FIELDS.get(family, ()):
+        settings.pop(name, None)
     if settings["vocab_size"] < tokenizer_size:
         raise ValueError(f"vocab_size {settings['vocab_size']} does not cover the tokenizer ({tokenizer_size})")
     torch.manual_seed(seed)
