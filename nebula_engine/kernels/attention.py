@@ -79,19 +79,18 @@ def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.T
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q [Lq, H, D] are the last Lq tokens of the Lk-token context k [Lk, Hkv, D], v [Lk, Hkv, Dv]."""
     lq, lk = q.shape[0], k.shape[0]
-    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-    if kh.shape[0] != qh.shape[0]:
-        group = qh.shape[0] // kh.shape[0]
-        kh, vh = kh.repeat_interleave(group, 0), vh.repeat_interleave(group, 0)
+    # [1, H, L, D]: the 4-D layout takes SDPA's fused kernels; enable_gqa shares K/V across heads without copies
+    qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    gqa = kh.shape[1] != qh.shape[1]
     if lq == lk:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
     elif lq == 1:
-        out = F.scaled_dot_product_attention(qh, kh, vh, scale=scale)
+        out = F.scaled_dot_product_attention(qh, kh, vh, scale=scale, enable_gqa=gqa)
     else:
         # query i sits at absolute position lk - lq + i and sees keys 0..lk-lq+i
         mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
-    return out.transpose(0, 1)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return out[0].transpose(0, 1)
 
 
 class TorchPagedAttention(AttentionBackend):

@@ -1,0 +1,77 @@
+"""Frozen configuration of one engine: model source, KV cache, scheduler.
+
+``EngineConfig.create(model, **kwargs)`` routes each keyword to the sub-config that declares it, so
+front ends (``LLM``, CLI, server) pass flat keyword arguments and new options only touch one class.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from nebula_engine.model.config import ModelConfig
+
+__all__ = ["CacheConfig", "EngineConfig", "ModelConfig", "SchedulerConfig"]
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    page_size: int = 16  # tokens per KV page
+    num_pages: int | None = None  # explicit pool size; None => derived from kv_cache_memory_bytes
+    kv_cache_memory_bytes: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        _require_positive(page_size=self.page_size, kv_cache_memory_bytes=self.kv_cache_memory_bytes)
+        if self.num_pages is not None:
+            _require_positive(num_pages=self.num_pages)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64  # sequences in one step
+    max_num_batched_tokens: int = 2048  # new tokens in one step; longer prompts are chunked
+    max_model_len: int | None = None  # None => the model's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        _require_positive(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens)
+        if self.max_model_len is not None:
+            _require_positive(max_model_len=self.max_model_len)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str  # local checkpoint directory or Hugging Face hub id
+    dtype: str = "float32"
+    device: str = "cpu"
+    attention_backend: str = "torch"
+    seed: int = 0  # seeds requests that carry no seed of their own
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+
+    @classmethod
+    def create(cls, model: str, **kwargs) -> EngineConfig:
+        """Build from flat keyword arguments, each routed to the (sub-)config that declares it."""
+        sections = {"cache": CacheConfig, "scheduler": SchedulerConfig}
+        own = {f.name for f in fields(cls)} - set(sections)
+        routed: dict[str, dict] = {name: {} for name in sections}
+        top: dict = {}
+        for key, value in kwargs.items():
+            owner = next((s for s, c in sections.items() if key in {f.name for f in fields(c)}), None)
+            if owner is not None:
+                routed[owner][key] = value
+            elif key in own:
+                top[key] = value
+            else:
+                raise TypeError(f"unknown engine option {key!r}")
+        return cls(model=str(model), **top, **{s: sections[s](**routed[s]) for s in sections})
+
+
+def _require_positive(**values: int) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -1,0 +1,129 @@
+"""Continuous batching with chunked prefill and recompute preemption. Pure policy: no tensors.
+
+Each step spends a budget of ``max_num_batched_tokens`` new tokens: running sequences first (a
+decode costs one token, an unfinished prefill continues with the next chunk), then waiting
+sequences in arrival order. When the pool runs out of pages, the newest running sequence is
+preempted: its pages are freed and it re-enters the front of the queue to be recomputed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from nebula_engine.config import SchedulerConfig
+from nebula_engine.engine.sequence import Sequence, SequenceStatus
+from nebula_engine.kvcache.pool import KVCacheManager, OutOfPagesError
+
+
+@dataclass(frozen=True)
+class ScheduledSequence:
+    seq: Sequence
+    num_computed_tokens: int  # tokens already in the cache when this step starts
+    num_new_tokens: int
+    block_table: list[int]  # the sequence's pages; read-only, valid for this step
+    samples: bool  # this step reaches the last known token, so the next one is sampled
+
+    @property
+    def seq_id(self) -> str:
+        return self.seq.seq_id
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled: tuple[ScheduledSequence, ...]
+    preempted_seq_ids: tuple[str, ...]
+    finished_seq_ids: tuple[str, ...]  # finished since the previous step: drop per-request state
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager):
+        self.config = config
+        self.kv_cache = kv_cache
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._finished_seq_ids: list[str] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSequence] = []
+        preempted: list[str] = []
+        budget = self._schedule_running(budget, scheduled, preempted)
+        if not preempted:
+            self._schedule_waiting(budget, scheduled)
+        finished, self._finished_seq_ids = tuple(self._finished_seq_ids), []
+        return SchedulerOutput(tuple(scheduled), tuple(preempted), finished)
+
+    def _schedule_running(self, budget: int, scheduled: list, preempted: list) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(seq, num_new, preempted):
+                break
+            scheduled.append(self._entry(seq, num_new))
+            budget -= num_new
+            index += 1
+        return budget
+
+    def _allocate_or_preempt(self, seq: Sequence, num_new: int, preempted: list) -> bool:
+        """Find pages for ``seq`` by preempting the newest running sequences; False if ``seq`` itself went."""
+        while True:
+            try:
+                self.kv_cache.allocate_slots(seq.seq_id, seq.num_computed_tokens + num_new)
+                return True
+            except OutOfPagesError:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim.seq_id)
+                if victim is seq:
+                    return False
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv_cache.free(seq.seq_id)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+
+    def _schedule_waiting(self, budget: int, scheduled: list) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.kv_cache.can_allocate(seq.seq_id, seq.num_computed_tokens + num_new):
+                break
+            self.kv_cache.allocate_slots(seq.seq_id, seq.num_computed_tokens + num_new)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(self._entry(seq, num_new))
+            budget -= num_new
+
+    def _entry(self, seq: Sequence, num_new: int) -> ScheduledSequence:
+        samples = seq.num_computed_tokens + num_new == seq.num_tokens
+        return ScheduledSequence(seq, seq.num_computed_tokens, num_new, self.kv_cache.block_tables[seq.seq_id], samples)
+
+    def advance(self, output: SchedulerOutput) -> None:
+        """The model ran ``output``: its new tokens now have K/V in the cache."""
+        for entry in output.scheduled:
+            entry.seq.num_computed_tokens += entry.num_new_tokens
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        self.running.remove(seq)
+        self.kv_cache.free(seq.seq_id)
+        self._finished_seq_ids.append(seq.seq_id)

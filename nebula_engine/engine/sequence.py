@@ -1,0 +1,65 @@
+"""One request's token state as the scheduler and model runner see it."""
+
+from __future__ import annotations
+
+import enum
+
+from nebula_engine.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """Prompt + generated tokens; ``num_computed_tokens`` of them have K/V in the cache."""
+
+    def __init__(self, seq_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 prompt: str | None = None):
+        self.seq_id = seq_id
+        self.prompt = prompt
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.num_computed_tokens = 0
+        self.status = SequenceStatus.WAITING
+        self.output_logprobs: list[float] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.seq_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens})")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int, logprob: float) -> None:
+        self.token_ids.append(token_id)
+        self.output_logprobs.append(logprob)
+
+    def reset_for_recompute(self) -> None:
+        """Preempted: its pages are gone, so every token (prompt and output) is prefilled again."""
+        self.num_computed_tokens = 0
+        self.status = SequenceStatus.WAITING
+        self.num_preemptions += 1

@@ -1,0 +1,70 @@
+"""Tokenizer of a checkpoint directory, chat templates, and incremental detokenization."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+Message = dict[str, Any]
+
+
+class Tokenizer:
+    """Thin wrapper over the checkpoint's Hugging Face tokenizer."""
+
+    def __init__(self, checkpoint_dir: str | Path):
+        from transformers import AutoTokenizer
+
+        self.hf = AutoTokenizer.from_pretrained(str(checkpoint_dir))
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.hf.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=True))
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[Message]) -> tuple[str, list[int]]:
+        """(prompt text, token ids) of a conversation, ending with the assistant's turn opener."""
+        if not getattr(self.hf, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; use generate() with plain prompts")
+        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        # the template already carries BOS and role markers
+        return text, list(self.hf.encode(text, add_special_tokens=False))
+
+
+class IncrementalDetokenizer:
+    """Output text grown one token at a time.
+
+    Decodes a short window that starts a few tokens back, so tokenizers whose pieces depend on
+    their left neighbour (leading spaces, multi-byte characters split across tokens) come out right;
+    text ending in an incomplete character is held back until the next token completes it.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self._token_ids = list(prompt_token_ids[-5:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._token_ids)
+        self.text = ""
+
+    def add_token(self, token_id: int) -> str:
+        """Append ``token_id``; returns the text it completed (possibly empty)."""
+        self._token_ids.append(token_id)
+        prefix = self._decode(self._token_ids[self._prefix_offset:self._read_offset])
+        full = self._decode(self._token_ids[self._prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        delta = full[len(prefix):]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._token_ids)
+        self.text += delta
+        return delta
+
+    def truncate(self, length: int) -> None:
+        self.text = self.text[:length]
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special)
