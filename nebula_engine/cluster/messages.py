@@ -1,0 +1,99 @@
+"""Typed messages of the control plane: worker events in, prefill plans out.
+
+Plain frozen dataclasses of str / int / float / enum / tuple fields, so one msgspec codec can carry
+them over the wire unchanged when the router runs across machines.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class CacheKind(str, enum.Enum):
+    PC = "pc"  # a prefix-chain entry: valid only after exactly the same preceding segments
+    PIC = "pic"  # a position-independent segment: keyed by content alone
+
+
+class Tier(str, enum.Enum):
+    DEVICE = "device"
+    HOST = "host"
+
+
+@dataclass(frozen=True)
+class StoreEvent:
+    """``worker`` now holds ``key`` on ``tier``. ``seq`` increases by one per event of a worker."""
+
+    worker: int
+    seq: int
+    kind: CacheKind
+    key: str
+    num_tokens: int
+    tier: Tier = Tier.DEVICE
+
+
+@dataclass(frozen=True)
+class EvictEvent:
+    worker: int
+    seq: int
+    kind: CacheKind
+    key: str
+    tier: Tier = Tier.DEVICE
+
+
+@dataclass(frozen=True)
+class DoneEvent:
+    """Task ``task_id`` finished on ``worker`` (or will never run): its reservation can be freed."""
+
+    worker: int
+    seq: int
+    task_id: str
+
+
+WorkerEvent = StoreEvent | EvictEvent | DoneEvent
+
+
+class Action(str, enum.Enum):
+    REUSE = "reuse"  # cached (or in-flight) KV on `worker`, moved to the combine home if remote
+    COMPUTE = "compute"  # scatter prefill of the segment alone on `worker`
+    LOCAL = "local"  # worker-local PIC: the home reuses its own copy if it has one, else computes
+
+
+@dataclass(frozen=True)
+class SegmentPlan:
+    index: int  # position of the segment in the request
+    key: str  # PIC content id
+    num_tokens: int
+    worker: int
+    action: Action
+    task_id: str = ""  # set for COMPUTE: the scatter task whose reservation a DoneEvent frees
+    tier: Tier = Tier.DEVICE
+
+
+@dataclass(frozen=True)
+class PrefixPlan:
+    """Reuse of the first ``num_segments`` segments through prefix caching, held by ``worker``."""
+
+    worker: int
+    num_segments: int
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """Where each piece of one request's prefill happens.
+
+    Invariants: every PIC segment outside the prefix hit appears once in ``segments``; the combine
+    prefill of ``combine_tokens`` (prefill-token units) runs on ``combine_home`` after all KV is there;
+    afterwards the home holds the request's whole prefix chain ``pc_keys``.
+    """
+
+    request_id: str
+    combine_home: int
+    combine_task_id: str
+    combine_tokens: float
+    prefix: PrefixPlan | None
+    segments: tuple[SegmentPlan, ...]
+    pc_keys: tuple[str, ...]
+    segment_tokens: tuple[int, ...]  # tokens of every request segment, in order
+    estimate: float = 0.0  # planner's completion-time estimate, prefill-token units

@@ -1,0 +1,218 @@
+"""Greedy prefill planning of §7.2 (Algorithm 1) over the completion-time estimate
+
+    T(pi) = max_w [ Q_w(pi) + P_w(pi) + D_w(w -> c; pi) ] + C
+
+in prefill-token units: Q_w counts only if w computes a cold segment, P_w is the cold tokens it
+computes, D_w = d(w->c) * (all tokens w sends to the home c) plus, for hits on a slow tier, the
+tier's per-token load cost. C, the combine prefill, is the same for every plan.
+
+Speed (§9.5): for a fixed home the estimate is max(T_c, R) with R = max over the other workers. A
+move only lowers T_c and raises the target's T, so R is updated in O(1), the least-loaded target comes
+off a heap, and while T_c > R a move is accepted iff the target's new T stays below T_c. A rejected
+move leaves the plan unchanged, so the next segment that can be accepted is found by bisection
+(lengths are sorted). Once T_c <= R no move can lower the maximum and the home is done. R is also a
+lower bound on the home's final estimate, so a home whose R passes the best estimate so far is
+dropped; homes are tried from the least loaded up so that bound tightens early. None of this
+changes the result: tests check it against Algorithm 1 written out literally.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from bisect import bisect_right
+from dataclasses import dataclass
+from typing import Sequence
+
+from nebula_engine.cluster.config import ClusterProfile
+from nebula_engine.cluster.messages import Tier
+
+
+class TransferCosts:
+    """d(w -> c) for every pair, stored by destination: ``to[c][w]``. Built once per profile."""
+
+    def __init__(self, to: Sequence[Sequence[float]], tier_cost: dict[Tier, float] | None = None):
+        self.to = [list(column) for column in to]
+        self.tier_cost = {Tier.DEVICE: 0.0, **(tier_cost or {})}
+        self.num_workers = len(self.to)
+
+    @classmethod
+    def from_profile(cls, profile: ClusterProfile, num_workers: int) -> "TransferCosts":
+        to = [[profile.relative_transfer_cost(w, c) for w in range(num_workers)]
+              for c in range(num_workers)]
+        return cls(to, {Tier.HOST: profile.host_load_cost()})
+
+    def load_beats_recompute(self, tier: Tier, src: int, dst: int) -> bool:
+        """For a copy only on ``tier``: is reading and moving it cheaper than recomputing it?"""
+        return self.tier_cost[tier] + self.to[dst][src] < 1.0
+
+
+@dataclass(frozen=True)
+class Hit:
+    """A cached segment (or the matched prefix) with the workers that can supply it."""
+
+    num_tokens: int
+    holders: tuple[tuple[int, Tier], ...]
+
+
+@dataclass(frozen=True)
+class PlanningProblem:
+    hits: tuple[Hit, ...]
+    cold: tuple[int, ...]  # lengths of the cold PIC segments
+    outstanding: tuple[float, ...]  # Q_w, excluding this request
+    combine_cost: float  # C
+
+
+@dataclass(frozen=True)
+class GreedyPlan:
+    home: int
+    cold_workers: tuple[int, ...]  # worker computing each cold segment, in problem order
+    hit_sources: tuple[int, ...]  # worker supplying each hit, in problem order
+    estimate: float
+
+
+def worker_time(queue: float, computed: float, d: float, fixed: float) -> float:
+    """One worker's term of the estimate; ``queue`` is Q_w only when it computes something."""
+    return queue + computed + d * computed + fixed
+
+
+def hit_source(hit: Hit, home: int, costs: TransferCosts) -> int:
+    """The copy a plan with this home reads: its own if it has one, else the cheapest to move."""
+    column = costs.to[home]
+    return min(hit.holders,
+               key=lambda h: (h[0] != home, column[h[0]] + costs.tier_cost[h[1]], h[0]))[0]
+
+
+TIERS = tuple(Tier)
+
+
+def hit_tokens_by_source(hits: Sequence[Hit], home: int, costs: TransferCosts,
+                         base: dict | None = None) -> dict[int, list[int]]:
+    """Per source worker, tokens it supplies to ``home`` from each tier (in ``TIERS`` order).
+
+    ``base`` holds pre-summed single-copy hits, whose source does not depend on the home.
+    """
+    grouped = {src: list(tokens) for src, tokens in base.items()} if base else {}
+    for hit in hits:
+        src = hit_source(hit, home, costs)
+        tier = next(t for w, t in hit.holders if w == src)
+        grouped.setdefault(src, [0] * len(TIERS))[TIERS.index(tier)] += hit.num_tokens
+    return grouped
+
+
+def summarise(grouped: dict[int, list[int]], costs: TransferCosts) -> dict[int, tuple[int, float]]:
+    """Per source worker: (tokens it sends, cost of reading them from slow tiers), home-independent."""
+    tier_cost = [costs.tier_cost[t] for t in TIERS]
+    return {src: (sum(tokens), sum(n * c for n, c in zip(tokens, tier_cost) if n))
+            for src, tokens in grouped.items()}
+
+
+def fixed_transfer(summary: dict[int, tuple[int, float]], home: int,
+                   costs: TransferCosts) -> dict[int, float]:
+    """Per source worker: cost of moving to ``home`` (and reading from a slow tier) what it supplies."""
+    column = costs.to[home]
+    return {src: column[src] * tokens + extra for src, (tokens, extra) in summary.items()}
+
+
+class GreedyPlanner:
+    """Algorithm 1. Ties between equally good homes are broken uniformly by a seeded RNG."""
+
+    def __init__(self, costs: TransferCosts, seed: int = 0):
+        self.costs = costs
+        self.rng = random.Random(seed)
+
+    def plan(self, problem: PlanningProblem) -> GreedyPlan:
+        order = sorted(range(len(problem.cold)), key=lambda i: (-problem.cold[i], i))
+        lengths = [problem.cold[i] for i in order]
+        negated = [-length for length in lengths]
+        queue = problem.outstanding
+        by_load = sorted((q, w) for w, q in enumerate(queue))
+        position = {w: i for i, (_, w) in enumerate(by_load)}
+        single = hit_tokens_by_source([h for h in problem.hits if len(h.holders) == 1], 0, self.costs)
+        single_summary = summarise(single, self.costs)
+        multi = [h for h in problem.hits if len(h.holders) > 1]
+        best, best_homes = float("inf"), []
+        for _, home in by_load:  # lightly loaded homes tend to win: a low bound early prunes the rest
+            summary = summarise(hit_tokens_by_source(multi, home, self.costs, single), self.costs) \
+                if multi else single_summary
+            estimate, moves = self._plan_home(problem, home, lengths, negated, by_load, position,
+                                              summary, best)
+            if estimate < best:
+                best, best_homes = estimate, [(home, moves)]
+            elif estimate == best:
+                best_homes.append((home, moves))
+        best_homes.sort(key=lambda candidate: candidate[0])
+        home, moves = best_homes[0] if len(best_homes) == 1 else self.rng.choice(best_homes)
+        cold_workers = [home] * len(lengths)
+        for rank, worker in moves:
+            cold_workers[order[rank]] = worker
+        sources = tuple(hit_source(hit, home, self.costs) for hit in problem.hits)
+        return GreedyPlan(home, tuple(cold_workers), sources, best + problem.combine_cost)
+
+    def _plan_home(self, problem, home, lengths, negated, by_load, position, summary, bound):
+        """Greedy moves for one home; returns (max_w T_w, [(rank of cold segment, worker)]).
+
+        Stops early, returning an estimate above ``bound``, once the home cannot end at or below it:
+        the maximum over the other workers only grows, so it is a lower bound on the result.
+        """
+        column, queue = self.costs.to[home], problem.outstanding
+        fixed = fixed_transfer(summary, home, self.costs)
+        home_fixed = fixed.get(home, 0.0)
+        others = max((f for w, f in fixed.items() if w != home), default=0.0) if home in fixed \
+            else max(fixed.values(), default=0.0)
+        if others > bound:
+            return others, []
+        remaining = sum(lengths)
+        home_queue = queue[home]
+        home_time = worker_time(home_queue if remaining else 0.0, remaining, 0.0, home_fixed)
+        heap = by_load.copy()
+        del heap[position[home]]  # a sorted list stays a valid heap
+        computed = [0] * len(queue)
+        moved = [home] * len(lengths)  # worker of each cold segment, by rank
+        rank, count = 0, len(lengths) if heap and home_time > others else 0
+        replace_top, get_fixed = heapq.heapreplace, fixed.get
+        while rank < count:
+            length = lengths[rank]
+            worker = heap[0][1]
+            mine = computed[worker]
+            after = mine + length
+            d = column[worker]
+            # inlined worker_time(queue[worker], after, d, fixed): this is the hot loop
+            target = queue[worker] + after + d * after + get_fixed(worker, 0.0)
+            if target < home_time:
+                computed[worker] = after
+                moved[rank] = worker
+                remaining -= length
+                home_time = (home_queue if remaining else 0.0) + remaining + 0.0 * remaining + home_fixed
+                if target > others:
+                    others = target
+                    if others > bound:
+                        return others, []
+                if home_time <= others:
+                    break  # the maximum is now elsewhere: no later move can lower it
+                replace_top(heap, (queue[worker] + after, worker))
+                rank += 1
+                continue
+            # Rejected: nothing changed, so skip every segment at least as long as the limit.
+            slack = home_time - worker_time(queue[worker], mine, d, get_fixed(worker, 0.0))
+            limit = slack / (1.0 + d)
+            rank = bisect_right(negated, -(limit + abs(limit) * 1e-9 + 1e-9), rank + 1)
+        moves = [(r, w) for r, w in enumerate(moved) if w != home]
+        return max(home_time, others), moves
+
+
+def estimate(problem: PlanningProblem, home: int, cold_workers: Sequence[int],
+             hit_sources: Sequence[int], costs: TransferCosts) -> float:
+    """T(pi) of §7.2 computed from scratch for a complete plan (used to check the fast path)."""
+    column = costs.to[home]
+    computed = [0.0] * costs.num_workers
+    for length, worker in zip(problem.cold, cold_workers):
+        computed[worker] += length
+    grouped: dict[int, list[int]] = {}
+    for hit, src in zip(problem.hits, hit_sources):
+        tier = next(t for w, t in hit.holders if w == src)
+        grouped.setdefault(src, [0] * len(TIERS))[TIERS.index(tier)] += hit.num_tokens
+    fixed = fixed_transfer(summarise(grouped, costs), home, costs)
+    terms = [worker_time(problem.outstanding[w] if computed[w] else 0.0, computed[w], column[w],
+                         fixed.get(w, 0.0)) for w in range(costs.num_workers)]
+    return max(terms) + problem.combine_cost

@@ -1,0 +1,46 @@
+"""Cache keys of a request: the prefix chain (one key per segment) and its PIC segments."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import xxhash
+
+from nebula_engine.workloads.request import Request, SegmentKind
+
+
+def chain_key(parent: str, content_id: str) -> str:
+    """Key of a prefix-cache entry: the segment's content chained on everything before it."""
+    return xxhash.xxh64_hexdigest(f"{parent}\x1f{content_id}".encode())
+
+
+@dataclass(frozen=True)
+class RequestKeys:
+    """``pc_keys[i]`` identifies segments ``0..i`` as a prefix; ``pic_indices`` are PIC segments."""
+
+    request_id: str
+    pc_keys: tuple[str, ...]
+    content_ids: tuple[str, ...]
+    tokens: tuple[int, ...]
+    pic_indices: tuple[int, ...]
+
+    @classmethod
+    def of(cls, request: Request) -> "RequestKeys":
+        keys, parent = [], ""
+        for segment in request.segments:
+            parent = chain_key(parent, segment.content_id)
+            keys.append(parent)
+        return cls(
+            request_id=request.request_id,
+            pc_keys=tuple(keys),
+            content_ids=tuple(s.content_id for s in request.segments),
+            tokens=tuple(s.num_tokens for s in request.segments),
+            pic_indices=tuple(i for i, s in enumerate(request.segments) if s.kind == SegmentKind.PIC),
+        )
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.tokens)
+
+    def prefix_tokens(self, num_segments: int) -> int:
+        return sum(self.tokens[:num_segments])

@@ -1,0 +1,80 @@
+"""Prefill schedulers over one :class:`PlanningProblem`: Nebula's greedy (Algorithm 1) and the two
+strawmen of §7.1. All return a :class:`GreedyPlan`; names are the ones users type."""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+
+from nebula_engine.cluster.planner import (GreedyPlan, GreedyPlanner, PlanningProblem, TransferCosts,
+                                           estimate, hit_source)
+
+
+class Scheduler(ABC):
+    def __init__(self, costs: TransferCosts, seed: int = 0):
+        self.costs = costs
+        self.rng = random.Random(seed)
+
+    @abstractmethod
+    def place(self, problem: PlanningProblem) -> GreedyPlan:
+        """Choose a combine home, a source per hit and a worker per cold segment."""
+
+    def _finish(self, problem: PlanningProblem, home: int, cold_workers: list[int]) -> GreedyPlan:
+        sources = tuple(hit_source(hit, home, self.costs) for hit in problem.hits)
+        return GreedyPlan(home, tuple(cold_workers), sources,
+                          estimate(problem, home, cold_workers, sources, self.costs))
+
+
+class GreedyScheduler(Scheduler):
+    """Nebula: minimise the estimated prefill completion time (§7.2)."""
+
+    def __init__(self, costs: TransferCosts, seed: int = 0):
+        super().__init__(costs, seed)
+        self.planner = GreedyPlanner(costs, seed)
+
+    def place(self, problem: PlanningProblem) -> GreedyPlan:
+        return self.planner.plan(problem)
+
+
+class LocalityScheduler(Scheduler):
+    """Home = the worker with the most local PC/PIC hit tokens; cold segments computed there."""
+
+    def place(self, problem: PlanningProblem) -> GreedyPlan:
+        local = [0] * self.costs.num_workers
+        for hit in problem.hits:
+            for worker, _ in hit.holders:
+                local[worker] += hit.num_tokens
+        most = max(local)
+        ties = [w for w, n in enumerate(local) if n == most]
+        least_loaded = min(problem.outstanding[w] for w in ties)
+        ties = [w for w in ties if problem.outstanding[w] == least_loaded]
+        home = ties[0] if len(ties) == 1 else self.rng.choice(ties)
+        return self._finish(problem, home, [home] * len(problem.cold))
+
+
+class LoadScheduler(Scheduler):
+    """Longest-processing-time first: each task, combine included, to the least-loaded worker."""
+
+    COMBINE = -1
+
+    def place(self, problem: PlanningProblem) -> GreedyPlan:
+        load = list(problem.outstanding)
+        tasks = [(length, i) for i, length in enumerate(problem.cold)]
+        tasks.append((problem.combine_cost, self.COMBINE))
+        tasks.sort(key=lambda task: (-task[0], task[1]))
+        cold_workers, home = [0] * len(problem.cold), 0
+        for size, index in tasks:
+            worker = min(range(len(load)), key=lambda w: (load[w], w))
+            load[worker] += size
+            if index == self.COMBINE:
+                home = worker
+            else:
+                cold_workers[index] = worker
+        return self._finish(problem, home, cold_workers)
+
+
+SCHEDULERS: dict[str, type[Scheduler]] = {
+    "greedy": GreedyScheduler,
+    "locality": LocalityScheduler,
+    "load": LoadScheduler,
+}

@@ -1,0 +1,245 @@
+"""Cluster view of §5: where cached KV lives (cache view) and how busy each worker is (load view).
+
+Two sources feed it. Optimistic accounting: on dispatch the router records where a plan will leave
+KV (unconfirmed, expiring after a TTL) and reserves the plan's compute. Worker events: a store
+confirms a location (confirmed records never expire; a late store re-registers an expired one), an
+evict removes it, a done report releases a task's reservation — exactly once, duplicates ignored.
+
+Pure logic: time is always an argument, nothing here reads a clock.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from nebula_engine.cluster.config import ViewConfig
+from nebula_engine.cluster.messages import (Action, CacheKind, DoneEvent, EvictEvent, PrefillPlan,
+                                            StoreEvent, Tier, WorkerEvent)
+
+PresenceListener = Callable[[CacheKind, str, bool, int], None]
+
+
+@dataclass
+class HolderRecord:
+    num_tokens: int
+    tier: Tier
+    confirmed: bool
+    expires_at: float  # meaningful only while unconfirmed
+
+    def alive(self, now: float) -> bool:
+        return self.confirmed or now < self.expires_at
+
+
+@dataclass(frozen=True)
+class ViewSnapshot:
+    """Everything needed to rebuild a view on a new leader after failover."""
+
+    # (kind, key, worker, tokens, tier, confirmed, expires at)
+    entries: tuple[tuple[str, str, int, int, str, bool, float], ...]
+    reservations: tuple[tuple[str, int, float], ...]  # task id, worker, tokens
+    last_seq: tuple[tuple[int, int], ...]
+
+
+class ClusterView:
+    """Cache view + load view for ``num_workers`` prefill workers.
+
+    Invariants: ``outstanding_tokens(w)`` is the sum of live reservations on ``w``; a reservation is
+    released at most once; an unconfirmed record is never returned at or after its expiry time; the
+    presence listener hears ``True`` when a key gains its first holder and ``False`` when it loses
+    its last one.
+    """
+
+    def __init__(self, num_workers: int, config: ViewConfig = ViewConfig(),
+                 listener: PresenceListener | None = None):
+        self.num_workers = num_workers
+        self.config = config
+        self._listener = listener
+        self._holders: dict[CacheKind, dict[str, dict[int, HolderRecord]]] = {k: {} for k in CacheKind}
+        self._expiry_heap: list[tuple[float, str, str, int]] = []
+        self._reservations: dict[str, tuple[int, float]] = {}
+        self._outstanding = [0.0] * num_workers
+        self._last_seq: dict[int, int] = {}
+        self._lru_model = [OrderedDict() for _ in range(num_workers)]
+        self._lru_used = [0] * num_workers
+
+    # ---- cache view: queries ------------------------------------------------------------------
+    def holders(self, kind: CacheKind, key: str, now: float) -> dict[int, HolderRecord]:
+        """Live holders of ``key``; expired unconfirmed records are dropped on the way."""
+        records = self._holders[kind].get(key)
+        if not records:
+            return {}
+        dead = [w for w, r in records.items() if not r.alive(now)]
+        for worker in dead:
+            self._remove(kind, key, worker)
+        return self._holders[kind].get(key, {})
+
+    def prefix_matches(self, pc_keys: Iterable[str], now: float) -> dict[int, int]:
+        """For each worker with any match: how many leading segments its prefix cache covers."""
+        matched: dict[int, int] = {}
+        alive: set[int] | None = None
+        for depth, key in enumerate(pc_keys, start=1):
+            here = self.holders(CacheKind.PC, key, now).keys()
+            alive = set(here) if alive is None else alive & here
+            if not alive:
+                break
+            for worker in alive:
+                matched[worker] = depth
+        return matched
+
+    # ---- load view ----------------------------------------------------------------------------
+    def outstanding_tokens(self, worker: int) -> float:
+        return self._outstanding[worker]
+
+    def outstanding(self) -> list[float]:
+        return list(self._outstanding)
+
+    def reserve(self, task_id: str, worker: int, tokens: float) -> None:
+        if task_id in self._reservations:
+            raise ValueError(f"task {task_id!r} already holds a reservation")
+        self._reservations[task_id] = (worker, tokens)
+        self._outstanding[worker] += tokens
+
+    def release(self, task_id: str) -> bool:
+        """Free a task's reservation; False (and nothing changes) if it was already released."""
+        reservation = self._reservations.pop(task_id, None)
+        if reservation is None:
+            return False
+        worker, tokens = reservation
+        self._outstanding[worker] = max(0.0, self._outstanding[worker] - tokens)
+        return True
+
+    # ---- optimistic accounting ----------------------------------------------------------------
+    def record_dispatch(self, plan: PrefillPlan, now: float) -> None:
+        """Reserve the plan's compute and, if configured, record where its KV will appear."""
+        for seg in plan.segments:
+            if seg.action is Action.COMPUTE:
+                self.reserve(seg.task_id, seg.worker, seg.num_tokens)
+            if self.config.record_on_dispatch and seg.action is not Action.LOCAL:
+                self._expect(CacheKind.PIC, seg.key, seg.worker, seg.num_tokens, now)
+        self.reserve(plan.combine_task_id, plan.combine_home, plan.combine_tokens)
+        if self.config.record_on_dispatch:
+            for key, tokens in zip(plan.pc_keys, plan.segment_tokens):
+                self._expect(CacheKind.PC, key, plan.combine_home, tokens, now)
+
+    def _expect(self, kind: CacheKind, key: str, worker: int, tokens: int, now: float) -> None:
+        records = self._holders[kind].setdefault(key, {})
+        record = records.get(worker)
+        if record is not None and record.alive(now):
+            self._touch_model(kind, key, worker, tokens)
+            return
+        ttl = self.config.unconfirmed_ttl_s
+        expires = float("inf") if ttl is None else now + ttl
+        self._add(kind, key, worker, HolderRecord(tokens, Tier.DEVICE, False, expires))
+        if ttl is not None:
+            heapq.heappush(self._expiry_heap, (expires, kind.value, key, worker))
+        self._touch_model(kind, key, worker, tokens)
+
+    def expire(self, now: float) -> int:
+        """Drop unconfirmed records whose TTL has passed; returns how many were dropped."""
+        dropped = 0
+        while self._expiry_heap and self._expiry_heap[0][0] <= now:
+            expires, kind_value, key, worker = heapq.heappop(self._expiry_heap)
+            kind = CacheKind(kind_value)
+            record = self._holders[kind].get(key, {}).get(worker)
+            if record is not None and not record.confirmed and record.expires_at == expires:
+                self._remove(kind, key, worker)
+                dropped += 1
+        return dropped
+
+    # ---- worker events ------------------------------------------------------------------------
+    def apply(self, event: WorkerEvent, now: float) -> bool:
+        """Apply one worker event; False for a duplicate (sequence number already seen).
+
+        Events of one worker must arrive in sequence order (one ordered channel per worker).
+        """
+        if event.seq <= self._last_seq.get(event.worker, -1):
+            return False
+        self._last_seq[event.worker] = event.seq
+        if isinstance(event, DoneEvent):
+            self.release(event.task_id)
+        elif self.config.apply_cache_events and isinstance(event, StoreEvent):
+            self._confirm(event)
+        elif self.config.apply_cache_events and isinstance(event, EvictEvent):
+            record = self._holders[event.kind].get(event.key, {}).get(event.worker)
+            if record is not None and record.tier is event.tier:
+                self._remove(event.kind, event.key, event.worker)
+        return True
+
+    def _confirm(self, event: StoreEvent) -> None:
+        records = self._holders[event.kind].get(event.key, {})
+        record = records.get(event.worker)
+        if record is None:  # a late store re-registers a location the TTL already dropped
+            self._add(event.kind, event.key, event.worker,
+                      HolderRecord(event.num_tokens, event.tier, True, float("inf")))
+        else:
+            record.confirmed, record.tier, record.num_tokens = True, event.tier, event.num_tokens
+
+    # ---- bookkeeping --------------------------------------------------------------------------
+    def _add(self, kind: CacheKind, key: str, worker: int, record: HolderRecord) -> None:
+        records = self._holders[kind].setdefault(key, {})
+        first = not records
+        records[worker] = record
+        if first and self._listener:
+            self._listener(kind, key, True, record.num_tokens)
+
+    def _remove(self, kind: CacheKind, key: str, worker: int) -> None:
+        model = self._lru_model[worker]
+        if (kind, key) in model:
+            self._lru_used[worker] -= model.pop((kind, key))
+        records = self._holders[kind].get(key)
+        if not records or worker not in records:
+            return
+        record = records.pop(worker)
+        if not records:
+            del self._holders[kind][key]
+            if self._listener:
+                self._listener(kind, key, False, record.num_tokens)
+
+    def _touch_model(self, kind: CacheKind, key: str, worker: int, tokens: int) -> None:
+        """The optimistic strawman's guess of worker eviction: plain LRU over a known capacity."""
+        capacity = self.config.modelled_capacity_tokens
+        if capacity is None:
+            return
+        model = self._lru_model[worker]
+        if (kind, key) in model:
+            model.move_to_end((kind, key))
+            return
+        model[(kind, key)] = tokens
+        self._lru_used[worker] += tokens
+        while self._lru_used[worker] > capacity and len(model) > 1:
+            old_kind, old_key = next(iter(model))
+            self._remove(old_kind, old_key, worker)
+
+    def touch(self, kind: CacheKind, key: str, worker: int) -> None:
+        """A plan reuses ``key`` on ``worker``: refresh its modelled recency (strawman only)."""
+        model = self._lru_model[worker]
+        if (kind, key) in model:
+            model.move_to_end((kind, key))
+
+    # ---- failover -----------------------------------------------------------------------------
+    def snapshot(self) -> ViewSnapshot:
+        entries = tuple((kind.value, key, w, r.num_tokens, r.tier.value, r.confirmed, r.expires_at)
+                        for kind, table in self._holders.items()
+                        for key, records in table.items() for w, r in records.items())
+        return ViewSnapshot(entries=entries,
+                            reservations=tuple((t, w, n) for t, (w, n) in self._reservations.items()),
+                            last_seq=tuple(sorted(self._last_seq.items())))
+
+    def install(self, snapshot: ViewSnapshot) -> None:
+        """Replace this view's state with ``snapshot`` (a new leader rebuilding its view)."""
+        self._holders = {k: {} for k in CacheKind}
+        self._expiry_heap, self._reservations = [], {}
+        self._outstanding = [0.0] * self.num_workers
+        self._lru_model = [OrderedDict() for _ in range(self.num_workers)]
+        self._lru_used = [0] * self.num_workers
+        for kind_value, key, worker, tokens, tier, confirmed, expires in snapshot.entries:
+            kind = CacheKind(kind_value)
+            self._add(kind, key, worker, HolderRecord(tokens, Tier(tier), confirmed, expires))
+            if not confirmed and expires != float("inf"):
+                heapq.heappush(self._expiry_heap, (expires, kind_value, key, worker))
+        for task_id, worker, tokens in snapshot.reservations:
+            self.reserve(task_id, worker, tokens)
+        self._last_seq = dict(snapshot.last_seq)

@@ -1,0 +1,116 @@
+import random
+
+import pytest
+
+from nebula_engine.cluster.config import ClusterProfile
+from nebula_engine.cluster.messages import Tier
+from nebula_engine.cluster.planner import (GreedyPlanner, Hit, PlanningProblem, TransferCosts, estimate,
+                                           hit_source)
+from reference_planner import reference_plan
+
+
+def uniform_costs(workers: int, d: float, host: float = 0.5) -> TransferCosts:
+    return TransferCosts([[0.0 if w == c else d for w in range(workers)] for c in range(workers)],
+                         {Tier.HOST: host})
+
+
+def random_problem(rng: random.Random, workers: int, segments: int) -> PlanningProblem:
+    hits, cold = [], []
+    for _ in range(segments):
+        length = rng.randint(1, 60)
+        if rng.random() < 0.5:
+            holders = rng.sample(range(workers), rng.randint(1, min(3, workers)))
+            hits.append(Hit(length, tuple((w, Tier.HOST if rng.random() < 0.2 else Tier.DEVICE)
+                                          for w in holders)))
+        else:
+            cold.append(length)
+    queue = tuple(rng.choice([0.0, float(rng.randint(0, 90)), rng.random() * 90]) for _ in range(workers))
+    return PlanningProblem(tuple(hits), tuple(cold), queue, rng.random() * 20)
+
+
+@pytest.mark.parametrize("seed", range(400))
+def test_fast_planner_matches_literal_algorithm_1(seed):
+    rng = random.Random(seed)
+    workers = rng.randint(1, 6)
+    to = [[0.0 if w == c else rng.choice([0.02, 0.4, 1.5, rng.random()]) for w in range(workers)]
+          for c in range(workers)]
+    costs = TransferCosts(to, {Tier.HOST: rng.random()})
+    problem = random_problem(rng, workers, rng.randint(0, 14))
+    assert GreedyPlanner(costs, seed).plan(problem) == reference_plan(problem, costs, random.Random(seed))
+
+
+def test_estimate_terms():
+    costs = uniform_costs(3, d=0.5)
+    problem = PlanningProblem(hits=(Hit(100, ((2, Tier.DEVICE),)),), cold=(40, 60),
+                              outstanding=(10.0, 1000.0, 5.0), combine_cost=7.0)
+    # home 0 computes 40 (queue 10 applies), worker 1 computes 60 and sends it, worker 2 sends 100
+    value = estimate(problem, 0, [0, 1], [2], costs)
+    assert value == max(10 + 40, 1000 + 60 + 0.5 * 60, 0.5 * 100) + 7.0
+    # an idle worker's queue does not count
+    assert estimate(problem, 0, [0, 0], [2], costs) == max(10 + 100, 50.0) + 7.0
+
+
+def test_move_accepted_only_when_estimate_drops():
+    # Moving the cold segment off the busy home would cost more in transfer than it saves.
+    costs = uniform_costs(2, d=3.0)
+    problem = PlanningProblem((), cold=(100,), outstanding=(0.0, 0.0), combine_cost=0.0)
+    plan = GreedyPlanner(costs).plan(problem)
+    assert plan.cold_workers == (plan.home,) and plan.estimate == 100.0
+    # A move that leaves the estimate equal is not taken either.
+    free = uniform_costs(2, d=0.0)
+    equal = GreedyPlanner(free).plan(PlanningProblem((), (100,), (0.0, 0.0), 0.0))
+    assert equal.cold_workers == (equal.home,)
+    # With a cheap link, splitting two segments across two workers lowers the estimate.
+    cheap = uniform_costs(2, d=0.1)
+    split = GreedyPlanner(cheap).plan(PlanningProblem((), (100, 100), (0.0, 0.0), 0.0))
+    assert sorted(split.cold_workers) == [0, 1] and split.estimate == pytest.approx(110.0)
+
+
+def test_rejected_move_leaves_plan_unchanged_and_search_continues():
+    # The long segment cannot move (target would exceed the home), a shorter one later can.
+    costs = uniform_costs(2, d=0.0)
+    problem = PlanningProblem((), cold=(90, 30, 20), outstanding=(0.0, 100.0), combine_cost=0.0)
+    plan = GreedyPlanner(costs).plan(problem)
+    reference = reference_plan(problem, costs, random.Random(0))
+    assert plan == reference
+    assert plan.estimate == estimate(problem, plan.home, plan.cold_workers, plan.hit_sources, costs)
+
+
+def test_hits_stay_at_their_source():
+    costs = uniform_costs(3, d=0.1)
+    problem = PlanningProblem((Hit(500, ((1, Tier.DEVICE),)),), (), (0.0, 0.0, 0.0), 0.0)
+    plan = GreedyPlanner(costs).plan(problem)
+    assert plan.home == 1 and plan.hit_sources == (1,) and plan.estimate == 0.0
+
+
+def test_ties_between_homes_broken_by_seeded_rng():
+    costs = uniform_costs(8, d=0.1)
+    problem = PlanningProblem((), (), (0.0,) * 8, 0.0)
+    homes = {GreedyPlanner(costs, seed).plan(problem).home for seed in range(40)}
+    assert len(homes) > 4
+    assert GreedyPlanner(costs, 3).plan(problem) == GreedyPlanner(costs, 3).plan(problem)
+
+
+def test_hit_source_prefers_home_then_cheapest_copy():
+    costs = TransferCosts([[0.0, 0.2, 0.1], [0.2, 0.0, 0.3], [0.1, 0.3, 0.0]], {Tier.HOST: 0.5})
+    hit = Hit(10, ((1, Tier.DEVICE), (2, Tier.DEVICE)))
+    assert hit_source(hit, 1, costs) == 1
+    assert hit_source(hit, 0, costs) == 2
+    slow = Hit(10, ((1, Tier.DEVICE), (2, Tier.HOST)))
+    assert hit_source(slow, 0, costs) == 1
+
+
+def test_load_beats_recompute_on_slow_tier():
+    costs = uniform_costs(2, d=0.1, host=0.5)
+    assert costs.load_beats_recompute(Tier.HOST, 0, 1)
+    assert not uniform_costs(2, d=0.6, host=0.5).load_beats_recompute(Tier.HOST, 0, 1)
+
+
+def test_transfer_costs_from_profile_follow_topology():
+    profile = ClusterProfile.load()
+    costs = TransferCosts.from_profile(profile, 7)
+    assert costs.to[0][0] == 0.0
+    same_node, other_node = costs.to[0][1], costs.to[0][5]
+    assert 0 < same_node < other_node < 1
+    expected = profile.kv_bytes_per_token / profile.inter_node.bandwidth_bytes_per_s / profile.prefill.per_token_s
+    assert other_node == pytest.approx(expected)

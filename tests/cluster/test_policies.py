@@ -1,0 +1,111 @@
+import pytest
+
+from builders import request
+from nebula_engine.cluster.config import ClusterConfig
+from nebula_engine.cluster.control_plane import ControlPlane
+from nebula_engine.cluster.messages import Action, CacheKind, StoreEvent, Tier
+from nebula_engine.cluster.planner import Hit, PlanningProblem, TransferCosts
+from nebula_engine.cluster.policies import POLICIES, make_policy, view_config
+from nebula_engine.cluster.request_keys import RequestKeys
+from nebula_engine.cluster.schedulers import SCHEDULERS, LoadScheduler, LocalityScheduler
+
+CONFIG = ClusterConfig(num_prefill_workers=4)
+
+
+def store_all(plane: ControlPlane, worker: int, kind: CacheKind, keys, start_seq: int = 0) -> None:
+    for seq, key in enumerate(keys, start=start_seq):
+        plane.on_event(StoreEvent(worker, seq, kind, key, 100), now=0.0)
+
+
+def rag_request():
+    return request("r", ("P", "sys", 100), ("I", "doc-a", 100), ("I", "doc-b", 100), ("R", "q", 10))
+
+
+def test_registry_names():
+    assert set(POLICIES) == {"pc", "local-pic", "nebula"}
+    assert set(SCHEDULERS) == {"greedy", "locality", "load"}
+    with pytest.raises(ValueError, match="unknown policy"):
+        make_policy("nope", CONFIG, TransferCosts.from_profile(CONFIG.profile, 4))
+    with pytest.raises(ValueError, match="unknown view"):
+        view_config("nope", CONFIG)
+
+
+def test_pc_routes_to_longest_prefix_holder_and_ignores_pic():
+    plane = ControlPlane(CONFIG, "pc")
+    keys = RequestKeys.of(rag_request())
+    store_all(plane, 2, CacheKind.PC, keys.pc_keys[:2])
+    store_all(plane, 1, CacheKind.PIC, ["doc-b"])
+    plan = plane.on_request(keys, now=1.0).plan
+    assert plan.combine_home == 2 and plan.prefix.num_segments == 2 and plan.segments == ()
+    assert plan.combine_tokens == 110
+
+
+def test_local_pic_marks_pic_segments_local_at_home():
+    plane = ControlPlane(CONFIG, "local-pic")
+    keys = RequestKeys.of(rag_request())
+    store_all(plane, 3, CacheKind.PC, keys.pc_keys[:1])
+    plan = plane.on_request(keys, now=1.0).plan
+    assert plan.combine_home == 3
+    assert [(s.index, s.action, s.worker) for s in plan.segments] == [(1, Action.LOCAL, 3), (2, Action.LOCAL, 3)]
+
+
+def test_nebula_reuses_remote_pic_and_records_dispatch():
+    plane = ControlPlane(CONFIG, "nebula")
+    keys = RequestKeys.of(rag_request())
+    store_all(plane, 1, CacheKind.PIC, ["doc-a"])
+    plan = plane.on_request(keys, now=1.0).plan
+    actions = {s.key: (s.action, s.worker) for s in plan.segments}
+    assert actions["doc-a"] == (Action.REUSE, 1)
+    assert actions["doc-b"][0] is Action.COMPUTE
+    # optimistic record of the cold segment and of the home's prefix chain
+    assert actions["doc-b"][1] in plane.view.holders(CacheKind.PIC, "doc-b", now=1.0)
+    assert plan.combine_home in plane.view.holders(CacheKind.PC, keys.pc_keys[-1], now=1.0)
+    # combine = regular tokens + recompute share of the PIC segments
+    assert plan.combine_tokens == pytest.approx(110 + CONFIG.profile.pic_recompute_ratio * 200)
+
+
+def test_nebula_second_request_awaits_in_flight_segment():
+    plane = ControlPlane(CONFIG, "nebula")
+    first = plane.on_request(RequestKeys.of(rag_request()), now=0.0).plan
+    second = plane.on_request(RequestKeys.of(request("r2", ("I", "doc-b", 100))), now=0.1).plan
+    computed_at = next(s.worker for s in first.segments if s.key == "doc-b")
+    assert second.segments[0].action is Action.REUSE and second.segments[0].worker == computed_at
+
+
+def test_event_view_recomputes_in_flight_segment():
+    plane = ControlPlane(CONFIG, "nebula", view="event")
+    plane.on_request(RequestKeys.of(rag_request()), now=0.0)
+    second = plane.on_request(RequestKeys.of(request("r2", ("I", "doc-b", 100))), now=0.1).plan
+    assert second.segments[0].action is Action.COMPUTE
+
+
+def test_locality_scheduler_picks_most_local_hits():
+    costs = TransferCosts.from_profile(CONFIG.profile, 4)
+    problem = PlanningProblem((Hit(100, ((1, Tier.DEVICE),)), Hit(300, ((2, Tier.DEVICE),))), (50, 60),
+                              (0.0, 0.0, 9999.0, 0.0), 10.0)
+    plan = LocalityScheduler(costs).place(problem)
+    assert plan.home == 2 and plan.cold_workers == (2, 2)
+
+
+def test_load_scheduler_is_lpt():
+    costs = TransferCosts.from_profile(CONFIG.profile, 3)
+    problem = PlanningProblem((), (50, 300, 100), (0.0, 10.0, 20.0), 200.0)
+    plan = LoadScheduler(costs).place(problem)
+    # 300 -> w0 (0), 200 (combine) -> w1 (10), 100 -> w2 (20), 50 -> w2 (120)
+    assert plan.cold_workers == (2, 0, 2) and plan.home == 1
+
+
+def test_decision_carries_new_share_at_window_end():
+    plane = ControlPlane(CONFIG, "nebula")
+    shares = [plane.on_request(RequestKeys.of(request(f"r{i}", ("I", f"d{i}", 10))), now=i).pc_share
+              for i in range(16)]
+    assert shares[:15] == [None] * 15 and shares[15] == 0.5
+
+
+def test_nebula_places_a_repeated_segment_once():
+    plane = ControlPlane(CONFIG, "nebula")
+    keys = RequestKeys.of(request("r", ("I", "doc", 100), ("R", "q", 5), ("I", "doc", 100)))
+    plan = plane.on_request(keys, now=0.0).plan
+    first, again = plan.segments
+    assert first.action is Action.COMPUTE and again.action is Action.REUSE
+    assert again.worker == first.worker and again.index == 2

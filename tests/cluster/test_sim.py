@@ -1,0 +1,111 @@
+from dataclasses import replace
+
+import pytest
+
+from builders import rag_requests, request
+from nebula_engine.cluster.config import ClusterConfig
+from nebula_engine.cluster.sim import SimulationConfig, simulate
+from nebula_engine.cluster.sim_report import coefficient_of_variation, percentile
+
+CLUSTER = ClusterConfig(num_prefill_workers=4)
+
+
+def config(**changes) -> SimulationConfig:
+    return replace(SimulationConfig(cluster=CLUSTER, qps=20.0), **changes)
+
+
+def small_cache(tokens: int, **changes) -> SimulationConfig:
+    return config(cluster=CLUSTER.with_profile(cache_capacity_tokens=tokens), **changes)
+
+
+def test_same_seed_same_report():
+    requests = rag_requests(150)
+    assert simulate(config(), requests) == simulate(config(), requests)
+
+
+def test_seed_changes_arrivals():
+    requests = rag_requests(150)
+    other = config(cluster=replace(CLUSTER, seed=1))
+    assert simulate(config(), requests).ttfts_s != simulate(other, requests).ttfts_s
+
+
+def test_single_request_ttft_is_prefill_plus_handoff():
+    req = request("r", ("P", "sys", 300), ("R", "q", 50))
+    report = simulate(config(policy="pc"), [req])
+    profile = CLUSTER.profile
+    home = 0  # ties on an idle cluster: whichever worker, the handoff link is inter-node from node 0
+    expected_prefill = profile.prefill.seconds(350, 0)
+    handoff = report.ttft_p50_s - expected_prefill
+    assert handoff == pytest.approx(profile.transfer_seconds(home, CLUSTER.decode_worker, 350), rel=1e-6) or \
+        handoff == pytest.approx(profile.transfer_seconds(3, CLUSTER.decode_worker, 350), rel=1e-6)
+
+
+def test_repeat_request_hits_prefix_cache():
+    req = request("a", ("P", "sys", 300), ("R", "q", 100))
+    again = request("b", ("P", "sys", 300), ("R", "q", 100))
+    report = simulate(config(policy="pc", qps=0.5), [req, again])
+    assert report.cache_hit_ratio == pytest.approx(400 / 800)
+
+
+def test_nebula_parallelises_cold_segments():
+    docs = [("I", f"doc{i}", 2000) for i in range(4)]
+    req = request("r", ("P", "sys", 100), *docs, ("R", "q", 10))
+    nebula = simulate(config(policy="nebula"), [req])
+    local = simulate(config(policy="local-pic"), [req])
+    assert nebula.ttft_p50_s < 0.5 * local.ttft_p50_s
+    assert nebula.transferred_bytes > 0 and local.transferred_bytes == 0
+
+
+def test_pic_policies_hit_more_than_pc():
+    requests = rag_requests(300)
+    chr_by_policy = {p: simulate(config(policy=p), requests).cache_hit_ratio
+                     for p in ("pc", "local-pic", "nebula")}
+    assert chr_by_policy["pc"] < chr_by_policy["local-pic"] < chr_by_policy["nebula"]
+
+
+def view_variant(view: str):
+    """Moderate cache pressure, no overload: where the views' failure modes show (§5.1)."""
+    return simulate(small_cache(8000, view=view, qps=5.0), rag_requests(400, documents=200))
+
+
+def test_optimistic_view_reports_more_invalid_hits_than_nebula():
+    optimistic, nebula = view_variant("optimistic"), view_variant("nebula")
+    assert nebula.invalid_hit_tokens < optimistic.invalid_hit_tokens
+
+
+def test_event_view_repeats_in_flight_work_nebula_does_not():
+    event, nebula = view_variant("event"), view_variant("nebula")
+    assert event.repeated_tokens > 0 and nebula.repeated_tokens < event.repeated_tokens
+
+
+def test_warmup_requests_are_not_measured():
+    report = simulate(config(warmup_requests=50), rag_requests(120))
+    assert report.num_requests == 70
+
+
+def test_self_tuning_moves_share_under_pressure():
+    report = simulate(small_cache(2000, cache="self-tuning"), rag_requests(400, documents=80))
+    assert len(report.pc_share_history) == 1 + 400 // 16
+    assert report.pc_share_history[-1] != 0.5
+
+
+def test_every_cache_variant_runs():
+    requests = rag_requests(100)
+    for cache in ("unified-lru", "fixed-partition"):
+        assert simulate(small_cache(3000, cache=cache), requests).num_requests == 100
+    with pytest.raises(ValueError, match="unknown cache"):
+        simulate(config(cache="nope"), requests)
+
+
+def test_every_scheduler_runs():
+    requests = rag_requests(100)
+    for scheduler in ("greedy", "locality", "load"):
+        report = simulate(config(scheduler=scheduler), requests)
+        assert report.num_requests == 100 and report.ttft_p50_s > 0
+
+
+def test_report_arithmetic():
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([5.0], 99) == 5.0
+    assert coefficient_of_variation([1.0, 1.0]) == 0.0
+    assert coefficient_of_variation([0.0, 2.0]) == 1.0
