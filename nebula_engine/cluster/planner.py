@@ -14,27 +14,41 @@ move leaves the plan unchanged, so the next segment that can be accepted is foun
 lower bound on the home's final estimate, so a home whose R passes the best estimate so far is
 dropped; homes are tried from the least loaded up so that bound tightens early. None of this
 changes the result: tests check it against Algorithm 1 written out literally.
+
+Two implementations of that loop give identical plans. ``GreedyPlanner._plan_home`` below is the
+readable reference; ``planner_kernel.plan_homes`` is the same loop compiled with numba, used when numba
+imports, because CPython's per-step cost alone (~0.2 us x 16 homes x 128 cold segments) exceeds §9.5's
+0.32 ms at 256 segments x 16 workers. ``tools/bench_planner.py`` measures both shapes the paper quotes.
 """
 
 from __future__ import annotations
 
+import functools
 import heapq
+import logging
 import random
 from bisect import bisect_right
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Sequence
+
+import numpy as np
 
 from nebula_engine.cluster.config import ClusterProfile
 from nebula_engine.cluster.messages import Tier
 
+logger = logging.getLogger(__name__)
+
 
 class TransferCosts:
-    """d(w -> c) for every pair, stored by destination: ``to[c][w]``. Built once per profile."""
+    """d(w -> c) for every pair, stored by destination: ``to[c][w]`` (and as ``matrix[c, w]`` for the
+    compiled planner). Built once per profile and not modified afterwards."""
 
     def __init__(self, to: Sequence[Sequence[float]], tier_cost: dict[Tier, float] | None = None):
         self.to = [list(column) for column in to]
         self.tier_cost = {Tier.DEVICE: 0.0, **(tier_cost or {})}
         self.num_workers = len(self.to)
+        self.matrix = np.array(self.to, dtype=np.float64).reshape(self.num_workers, self.num_workers)
 
     @classmethod
     def from_profile(cls, profile: ClusterProfile, num_workers: int) -> "TransferCosts":
@@ -84,6 +98,7 @@ def hit_source(hit: Hit, home: int, costs: TransferCosts) -> int:
 
 
 TIERS = tuple(Tier)
+TIER_INDEX = {tier: i for i, tier in enumerate(TIERS)}
 
 
 def hit_tokens_by_source(hits: Sequence[Hit], home: int, costs: TransferCosts,
@@ -114,14 +129,108 @@ def fixed_transfer(summary: dict[int, tuple[int, float]], home: int,
     return {src: column[src] * tokens + extra for src, (tokens, extra) in summary.items()}
 
 
-class GreedyPlanner:
-    """Algorithm 1. Ties between equally good homes are broken uniformly by a seeded RNG."""
+@functools.cache
+def compiled_kernel() -> ModuleType | None:
+    """The numba-compiled greedy loop, or None (after one warning) when numba is not installed.
 
-    def __init__(self, costs: TransferCosts, seed: int = 0):
+    Imported on first use rather than with this module: importing numba costs ~0.3 s.
+    """
+    try:
+        from nebula_engine.cluster import planner_kernel
+    except ImportError as error:
+        logger.warning("numba is unavailable (%s): GreedyPlanner runs its pure-Python loop instead, "
+                       "about 3.5x slower than §9.5's 0.32 ms at 256 segments x 16 workers", error)
+        return None
+    return planner_kernel
+
+
+def supplied_by_source(hits: Sequence[Hit], costs: TransferCosts) -> tuple[np.ndarray, np.ndarray]:
+    """Per source worker: tokens it sends to the home and the cost of reading them from slow tiers.
+
+    One row shared by every home when each hit has a single copy; otherwise one row per home, since
+    which copy a multi-copy hit reads depends on the home. Values equal ``summarise``'s exactly.
+    """
+    single = [[0] * costs.num_workers for _ in TIERS]  # [tier][source] tokens of single-copy hits
+    multi = []
+    for hit in hits:
+        holders = hit.holders
+        if len(holders) == 1:  # hit_source without the search: the only copy
+            src, tier = holders[0]
+            single[TIER_INDEX[tier]][src] += hit.num_tokens
+        else:
+            multi.append(hit)
+    rows = [single] if not multi else [add_hits(single, multi, home, costs)
+                                       for home in range(costs.num_workers)]
+    return summarise_rows(np.array(rows, dtype=np.int64), costs)
+
+
+def add_hits(base: list[list[int]], hits: Sequence[Hit], home: int,
+             costs: TransferCosts) -> list[list[int]]:
+    """``base`` ([tier][source] tokens) plus ``hits``, each read from the copy ``home`` would use."""
+    by_tier = [list(tokens) for tokens in base]
+    for hit in hits:
+        src = hit_source(hit, home, costs)
+        tier = next(t for w, t in hit.holders if w == src)
+        by_tier[TIER_INDEX[tier]][src] += hit.num_tokens
+    return by_tier
+
+
+def summarise_rows(by_tier: np.ndarray, costs: TransferCosts) -> tuple[np.ndarray, np.ndarray]:
+    """``summarise`` over arrays [row, tier, source]: (tokens sent, slow-tier cost) per row and source.
+
+    Same operations in the same order: the cost starts at 0 and adds n * cost tier by tier, skipping
+    tiers the source sends nothing from (so an infinite tier cost cannot turn 0 tokens into NaN).
+    """
+    tokens = by_tier.sum(axis=1)
+    extra = np.zeros(tokens.shape, dtype=np.float64)
+    for index, tier in enumerate(TIERS):
+        sent = by_tier[:, index]
+        nonzero = sent != 0
+        extra[nonzero] += sent[nonzero] * costs.tier_cost[tier]
+    return tokens, extra
+
+
+class GreedyPlanner:
+    """Algorithm 1. Ties between equally good homes are broken uniformly by a seeded RNG.
+
+    ``compiled`` selects the loop: None uses the numba kernel when it imports, False forces the
+    pure-Python reference, True requires the kernel. Both give identical plans.
+    """
+
+    def __init__(self, costs: TransferCosts, seed: int = 0, compiled: bool | None = None):
         self.costs = costs
         self.rng = random.Random(seed)
+        self.kernel = compiled_kernel() if compiled is not False else None
+        if compiled and self.kernel is None:
+            raise RuntimeError("GreedyPlanner(compiled=True) needs numba, which failed to import")
 
     def plan(self, problem: PlanningProblem) -> GreedyPlan:
+        if self.kernel is None:
+            return self._plan_python(problem)
+        return self._plan_compiled(problem)
+
+    def _plan_compiled(self, problem: PlanningProblem) -> GreedyPlan:
+        cold = np.array(problem.cold, dtype=np.int64)
+        # stable sorts reproduce the Python path's keys (-length, index) and (load, worker)
+        order = np.argsort(-cold, kind="stable")
+        queue = np.array(problem.outstanding, dtype=np.float64)
+        by_load = np.argsort(queue, kind="stable")
+        tokens, extra = supplied_by_source(problem.hits, self.costs)
+        estimates, moved = self.kernel.plan_homes(self.costs.matrix, queue, by_load, cold[order],
+                                                  tokens, extra)
+        best = estimates.min()
+        ties = np.flatnonzero(estimates == best).tolist()  # ascending home, as the Python path sorts
+        home = ties[0] if len(ties) == 1 else self.rng.choice(ties)
+        cold_workers = np.empty_like(cold)
+        cold_workers[order] = moved[home]
+        return GreedyPlan(home, tuple(cold_workers.tolist()), self._hit_sources(problem.hits, home),
+                          float(best) + problem.combine_cost)
+
+    def _hit_sources(self, hits: Sequence[Hit], home: int) -> tuple[int, ...]:
+        return tuple(hit.holders[0][0] if len(hit.holders) == 1 else hit_source(hit, home, self.costs)
+                     for hit in hits)
+
+    def _plan_python(self, problem: PlanningProblem) -> GreedyPlan:
         order = sorted(range(len(problem.cold)), key=lambda i: (-problem.cold[i], i))
         lengths = [problem.cold[i] for i in order]
         negated = [-length for length in lengths]

@@ -1,11 +1,14 @@
+import logging
 import random
+import sys
 
 import pytest
 
 from nebula_engine.cluster.config import ClusterProfile
 from nebula_engine.cluster.messages import Tier
-from nebula_engine.cluster.planner import (GreedyPlanner, Hit, PlanningProblem, TransferCosts, estimate,
-                                           hit_source)
+from nebula_engine.cluster.planner import (GreedyPlanner, Hit, PlanningProblem, TransferCosts,
+                                           compiled_kernel, estimate, hit_source, hit_tokens_by_source,
+                                           summarise, supplied_by_source)
 from reference_planner import reference_plan
 
 
@@ -114,3 +117,84 @@ def test_transfer_costs_from_profile_follow_topology():
     assert 0 < same_node < other_node < 1
     expected = profile.kv_bytes_per_token / profile.inter_node.bandwidth_bytes_per_s / profile.prefill.per_token_s
     assert other_node == pytest.approx(expected)
+
+
+def random_costs(rng: random.Random, workers: int) -> TransferCosts:
+    to = [[0.0 if w == c else rng.choice([0.02, 0.4, 1.5, rng.random()]) for w in range(workers)]
+          for c in range(workers)]
+    return TransferCosts(to, {Tier.HOST: rng.random()})
+
+
+@pytest.mark.parametrize("seed", range(400))
+def test_pure_python_loop_matches_literal_algorithm_1(seed):
+    # The same cases as above, forcing the documented reference loop instead of the numba kernel.
+    rng = random.Random(seed)
+    workers = rng.randint(1, 6)
+    costs = random_costs(rng, workers)
+    problem = random_problem(rng, workers, rng.randint(0, 14))
+    planner = GreedyPlanner(costs, seed, compiled=False)
+    assert planner.kernel is None
+    assert planner.plan(problem) == reference_plan(problem, costs, random.Random(seed))
+
+
+def large_problem(rng: random.Random, workers: int, segments: int, tied_loads: bool) -> PlanningProblem:
+    """Benchmark-sized (too big for the literal algorithm): multi-copy and slow-tier hits, and
+    optionally equal loads everywhere so that many homes tie and the RNG decides."""
+    base = random_problem(rng, workers, segments)
+    hits = tuple(Hit(hit.num_tokens * 40, hit.holders) for hit in base.hits)
+    cold = tuple(length * 40 for length in base.cold)
+    queue = (0.0,) * workers if tied_loads else tuple(q * 90 for q in base.outstanding)
+    return PlanningProblem(hits, cold, queue, base.combine_cost)
+
+
+@pytest.mark.parametrize("workers, segments", [(16, 256), (256, 16), (40, 40), (2, 64)])
+def test_compiled_kernel_matches_python_loop_at_scale(workers, segments):
+    pytest.importorskip("numba")
+    rng = random.Random(workers * 1000 + segments)
+    costs = random_costs(rng, workers)
+    compiled, python = GreedyPlanner(costs, 7), GreedyPlanner(costs, 7, compiled=False)
+    assert compiled.kernel is not None  # numba present: the kernel is the default
+    # One planner per path over a sequence of problems, so the RNG must be consumed identically too.
+    for index in range(12):
+        problem = large_problem(rng, workers, segments, tied_loads=index % 3 == 0)
+        assert compiled.plan(problem) == python.plan(problem)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_supplied_by_source_matches_summarise(seed):
+    rng = random.Random(seed)
+    workers = rng.randint(1, 8)
+    costs = random_costs(rng, workers)
+    hits = random_problem(rng, workers, 30).hits
+    tokens, extra = supplied_by_source(hits, costs)
+    multi = any(len(hit.holders) > 1 for hit in hits)
+    assert tokens.shape == extra.shape == (workers if multi else 1, workers)
+    for home in range(workers):
+        row = home if multi else 0
+        expected = summarise(hit_tokens_by_source(hits, home, costs), costs)
+        for worker in range(workers):
+            sent, cost = expected.get(worker, (0, 0.0))
+            assert (tokens[row, worker], extra[row, worker]) == (sent, cost)
+
+
+def test_missing_numba_warns_and_falls_back_to_python(monkeypatch, caplog):
+    import nebula_engine.cluster as cluster_package
+
+    costs = uniform_costs(3, d=0.1)
+    problem = PlanningProblem((Hit(50, ((1, Tier.HOST),)),), (300, 200, 100), (0.0, 10.0, 20.0), 0.0)
+    expected = reference_plan(problem, costs, random.Random(0))
+    compiled_kernel.cache_clear()
+    try:
+        monkeypatch.setitem(sys.modules, "numba", None)  # makes `import numba` raise ImportError
+        monkeypatch.delitem(sys.modules, "nebula_engine.cluster.planner_kernel", raising=False)
+        monkeypatch.delattr(cluster_package, "planner_kernel", raising=False)
+        with caplog.at_level(logging.WARNING, logger="nebula_engine.cluster.planner"):
+            planner = GreedyPlanner(costs)
+        assert planner.kernel is None
+        assert "pure-Python" in caplog.text and "numba" in caplog.text
+        assert planner.plan(problem) == expected
+        with pytest.raises(RuntimeError, match="numba"):
+            GreedyPlanner(costs, compiled=True)
+    finally:
+        monkeypatch.undo()
+        compiled_kernel.cache_clear()  # later planners load the real kernel again
