@@ -20,9 +20,21 @@ class CacheConfig:
     page_size: int = 16  # tokens per KV page
     num_pages: int | None = None  # explicit pool size; None => derived from kv_cache_memory_bytes
     kv_cache_memory_bytes: int = 1 << 30
+    enable_prefix_caching: bool = True  # off automatically for models with linear-attention layers
+    eviction_policy: str = "soft-share"  # PC vs PIC under pool pressure: soft-share | unified-lru | fixed-partition
+    pc_share: float = 0.5  # p of paper eq. 2: target PC share of cached tokens (fixed-partition: hard share)
+    worker_id: int = 0  # stamped on cache events
+    host_cache_tokens: int = 0  # host-memory tier below the device pool; 0 = none
+    disk_cache_tokens: int = 0  # local-disk tier below host memory; 0 = none
+    disk_cache_path: str | None = None  # the disk tier's directory, reused across restarts
+    demote_on_evict: bool = True  # an entry evicted from a tier moves down instead of being dropped
 
     def __post_init__(self) -> None:
         _require_positive(page_size=self.page_size, kv_cache_memory_bytes=self.kv_cache_memory_bytes)
+        if self.disk_cache_tokens and not self.disk_cache_path:
+            raise ValueError("disk_cache_tokens needs disk_cache_path")
+        if not 0.0 <= self.pc_share <= 1.0:
+            raise ValueError(f"pc_share must be in [0, 1], got {self.pc_share!r}")
         if self.num_pages is not None:
             _require_positive(num_pages=self.num_pages)
 

@@ -44,7 +44,8 @@ MODEL_CASES: tuple[ModelCase, ...] = (
                    mlp_only_layers=[3]), seed=6),
 )
 
-# Families whose caches the engine does not serve yet (MLA, hybrid linear attention): model tests only.
+# MLA latent-cache and hybrid linear-attention families: model tests, and the engine tests in
+# tests/engine/test_generate_vs_hf_hybrid.py (latent pages, per-sequence state slots).
 _YARN_V2_LITE = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 512,
                  "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
 HYBRID_AND_MLA_CASES: tuple[ModelCase, ...] = (

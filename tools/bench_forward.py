@@ -1,10 +1,14 @@
 """Prefill throughput and batched decode latency: our engine vs transformers, same weights, same process.
 
 Ours runs the real path (scheduler -> model runner -> paged KV cache -> sampler) through LLMEngine.step;
-transformers runs its bare forward with a DynamicCache and ``logits_to_keep=1`` (no generate overhead).
+transformers runs its bare forward with its own DynamicCache (built from the config, so Qwen3.5 gets its
+linear-attention state layers) and ``logits_to_keep=1`` (no generate overhead).
 Prints ratios ours/HF: >1 for prefill tokens/s means we are faster; <1 for decode latency means faster.
+Shapes scale with --hidden-size / --num-heads: DeepSeek-V2 is V2-Lite-shaped (R = hidden/4, Dn = Dv = head dim,
+Dr = head dim/2, latent cache), Qwen3.5 repeats 3 linear-attention layers + 1 full-attention layer.
 
     python tools/bench_forward.py --hidden-size 512 --num-layers 8 --prompt-len 1024 --batch-size 4
+    python tools/bench_forward.py --family deepseek_v2 --hidden-size 256 --num-layers 4 --prompt-len 256
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ import torch
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--family", default="mistral", choices=["mistral", "qwen3", "qwen3_moe"])
+    parser.add_argument("--family", default="mistral",
+                        choices=["mistral", "qwen3", "qwen3_moe", "deepseek_v2", "qwen3_5", "qwen3_5_moe"])
     parser.add_argument("--hidden-size", type=int, default=512)
     parser.add_argument("--num-layers", type=int, default=8)
     parser.add_argument("--num-heads", type=int, default=8)
@@ -33,15 +38,38 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def family_overrides(args: argparse.Namespace) -> dict:
+    """HF config fields of the MoE / MLA / hybrid families, scaled from the common sizes."""
+    hidden, heads, head_dim = args.hidden_size, args.num_heads, args.hidden_size // args.num_heads
+    moe = dict(num_experts_per_tok=4, moe_intermediate_size=hidden // 2)
+    if args.family == "deepseek_v2":
+        return dict(moe, num_key_value_heads=None, kv_lora_rank=hidden // 4, qk_nope_head_dim=head_dim,
+                    qk_rope_head_dim=head_dim // 2, v_head_dim=head_dim, n_routed_experts=16, n_shared_experts=2)
+    if args.family.startswith("qwen3_5"):
+        if args.num_layers % 4:
+            raise SystemExit("--num-layers must be a multiple of 4 for Qwen3.5 (3 linear + 1 full attention)")
+        half = head_dim // 8  # RoPE on a quarter of the head: half of that in pairs, split over 3 MRoPE rows
+        hybrid = dict(layer_types=["linear_attention"] * 3 + ["full_attention"], linear_num_key_heads=heads // 2,
+                      linear_num_value_heads=heads, linear_key_head_dim=head_dim, linear_value_head_dim=head_dim,
+                      rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                                       "mrope_section": [half - 2 * (half // 3), half // 3, half // 3],
+                                       "mrope_interleaved": True})
+        hybrid["layer_types"] = hybrid["layer_types"] * (args.num_layers // 4)
+        if args.family == "qwen3_5_moe":
+            hybrid.update(moe, num_experts=16, shared_expert_intermediate_size=hidden // 2)
+        return hybrid
+    return {}  # mistral, qwen3, qwen3_moe: the tiny defaults (qwen3_moe: 8 experts, top-2, width 32)
+
+
 def make_checkpoint(args: argparse.Namespace, out_dir: str) -> str:
     from nebula_engine.model.tiny import make_tiny_checkpoint
 
-    return str(make_tiny_checkpoint(
-        args.family, out_dir, hidden_size=args.hidden_size, num_hidden_layers=args.num_layers,
-        num_attention_heads=args.num_heads, num_key_value_heads=args.num_kv_heads,
-        head_dim=args.hidden_size // args.num_heads, intermediate_size=int(3.5 * args.hidden_size),
-        max_position_embeddings=max(4096, 2 * (args.prompt_len + args.decode_steps)),
-        initializer_range=0.02))
+    settings = dict(hidden_size=args.hidden_size, num_hidden_layers=args.num_layers,
+                    num_attention_heads=args.num_heads, num_key_value_heads=args.num_kv_heads,
+                    head_dim=args.hidden_size // args.num_heads, intermediate_size=int(3.5 * args.hidden_size),
+                    max_position_embeddings=max(4096, 2 * (args.prompt_len + args.decode_steps)),
+                    initializer_range=0.02)
+    return str(make_tiny_checkpoint(args.family, out_dir, **{**settings, **family_overrides(args)}))
 
 
 def random_prompts(args: argparse.Namespace, vocab_size: int, seed: int) -> torch.Tensor:
@@ -86,7 +114,7 @@ class HFRunner:
     def run(self, prompts: torch.Tensor) -> tuple[float, list[float]]:
         from transformers import DynamicCache
 
-        cache = DynamicCache()
+        cache = DynamicCache(config=self.model.config)
         state = {}
 
         def prefill():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from nebula_engine.config import EngineConfig, ModelConfig
@@ -14,9 +16,14 @@ from nebula_engine.engine.scheduler import Scheduler
 from nebula_engine.engine.sequence import Sequence
 from nebula_engine.engine.tokenizer import Tokenizer
 from nebula_engine.kernels.attention import get_attention_backend
+from nebula_engine.kvcache.cache_store import CacheStoreConfig
+from nebula_engine.kvcache.page_io import StoragePageIO
 from nebula_engine.kvcache.pool import KVCacheManager, KVCacheStorage, num_pages_for_budget
-from nebula_engine.kvcache.spec import full_attention_groups
+from nebula_engine.kvcache.prefix_caching import PrefixCachingKVCacheManager
+from nebula_engine.kvcache.tiers import TierConfig
 from nebula_engine.model.loader import load_model
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -24,20 +31,38 @@ class LLMEngine:
         self.config = config
         dtype = getattr(torch, config.dtype)
         model, self.model_config, checkpoint_dir = load_model(config.model, dtype, config.device)
-        if getattr(model, "num_linear_layers", 0):
-            raise ValueError(f"{self.model_config.model_type!r} has linear-attention layers, whose per-sequence "
-                             "state the engine's KV pool does not hold yet")
         self.tokenizer = Tokenizer(checkpoint_dir)
-        groups = full_attention_groups(model.kv_cache_shape_per_layer(), dtype)
+        groups = model.kv_cache_groups(dtype)
         page_size = config.cache.page_size
-        num_pages = config.cache.num_pages or num_pages_for_budget(groups, page_size, config.cache.kv_cache_memory_bytes)
+        # linear-attention layers: one state slot per sequence that can run at once
+        num_state_slots = config.scheduler.max_num_seqs if any(not g.is_paged for g in groups) else 0
+        num_pages = config.cache.num_pages or num_pages_for_budget(
+            groups, page_size, config.cache.kv_cache_memory_bytes, num_state_slots)
         self.max_model_len = self._max_model_len(self.model_config, num_pages * page_size)
-        self.scheduler = Scheduler(config.scheduler, KVCacheManager(num_pages, page_size))
-        self.model_runner = ModelRunner(model, KVCacheStorage(groups, num_pages, page_size, config.device),
+        self.scheduler = Scheduler(config.scheduler, self._kv_cache_manager(num_pages, num_state_slots))
+        self.model_runner = ModelRunner(model, KVCacheStorage(groups, num_pages, page_size, config.device,
+                                                              num_state_slots),
                                         get_attention_backend(config.attention_backend),
                                         Sampler(config.seed, config.device), config.device)
+        if self.scheduler.prefix_cache is not None:
+            self.scheduler.prefix_cache.cache.page_io = StoragePageIO(self.model_runner.kv_storage)
         self.output_processor = OutputProcessor(self.tokenizer, self._eos_token_ids(), self.max_model_len)
         self._sequences: dict[str, Sequence] = {}
+
+    def _kv_cache_manager(self, num_pages: int, num_state_slots: int) -> KVCacheManager:
+        cache = self.config.cache
+        if cache.enable_prefix_caching and num_state_slots:
+            # a linear-attention state summarises the whole prefix: it cannot be split into pages
+            logger.warning("prefix caching disabled: %r has linear-attention layers", self.model_config.model_type)
+        elif cache.enable_prefix_caching:
+            store = CacheStoreConfig(cache.worker_id, f"{self.config.model}:{self.config.dtype}",
+                                     cache.eviction_policy, cache.pc_share)
+            tiers = None
+            if cache.host_cache_tokens or cache.disk_cache_tokens:
+                tiers = TierConfig(cache.host_cache_tokens, cache.disk_cache_tokens, cache.disk_cache_path,
+                                   cache.demote_on_evict)
+            return PrefixCachingKVCacheManager(num_pages, cache.page_size, store_config=store, tiers=tiers)
+        return KVCacheManager(num_pages, cache.page_size, num_state_slots)
 
     def _max_model_len(self, model_config: ModelConfig, pool_tokens: int) -> int:
         # a lone sequence must always fit in the pool, or preemption could never make room for it

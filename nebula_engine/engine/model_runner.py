@@ -1,6 +1,9 @@
 """Turns a scheduled batch into tensors, runs the model over the paged cache, samples.
 
-Legend: T = new tokens in the batch, B = scheduled sequences, S = page size.
+Legend: T = new tokens in the batch, B = scheduled sequences, S = page size, L = linear-attention layers.
+Models with linear-attention layers also carry per-sequence state in the storage's state slots: each step
+loads the scheduled sequences' states (none for a sequence starting at token 0, which also covers
+recompute after preemption), runs ``forward_with_states`` and stores the states it returns.
 """
 
 from __future__ import annotations
@@ -13,7 +16,10 @@ from torch import nn
 from nebula_engine.engine.sampler import Sampler, SamplerOutput
 from nebula_engine.engine.scheduler import ScheduledSequence, SchedulerOutput
 from nebula_engine.kernels.attention import AttentionBackend, AttentionContext, AttentionMetadata
+from nebula_engine.kernels.mla_attention import get_mla_backend
 from nebula_engine.kvcache.pool import KVCacheStorage
+from nebula_engine.kvcache.spec import MLALatentSpec
+from nebula_engine.model.gated_deltanet import LinearAttentionState
 
 
 @dataclass(frozen=True)
@@ -36,6 +42,9 @@ class ModelRunner:
         self.model = model
         self.kv_storage = kv_storage
         self.attention_backend = attention_backend
+        # MLA layers read latent caches through the MLA backend of the same name
+        has_latent = any(isinstance(g.spec, MLALatentSpec) for g in kv_storage.groups)
+        self.mla_backend = get_mla_backend(attention_backend.name) if has_latent else None
         self.sampler = sampler
         self.device = torch.device(device)
 
@@ -54,9 +63,27 @@ class ModelRunner:
     def forward(self, scheduled: tuple[ScheduledSequence, ...]) -> torch.Tensor:
         """Hidden states [n, D] of the last token of each sequence that samples this step."""
         inputs = self.prepare_inputs(scheduled)
-        ctx = AttentionContext(self.attention_backend, inputs.meta, self.kv_storage.layer_caches)
-        hidden = self.model.forward(inputs.input_ids, inputs.positions, ctx)
+        ctx = AttentionContext(self.attention_backend, inputs.meta, self.kv_storage.layer_caches, self.mla_backend)
+        if self.kv_storage.linear_states:
+            hidden, new_states = self.model.forward_with_states(inputs.input_ids, inputs.positions, ctx,
+                                                                self._load_states(scheduled))
+            self._store_states(scheduled, new_states)
+        else:
+            hidden = self.model.forward(inputs.input_ids, inputs.positions, ctx)
         return hidden.index_select(0, inputs.logits_indices)
+
+    def _load_states(self, scheduled: tuple[ScheduledSequence, ...]) -> list[list[LinearAttentionState | None]]:
+        """[L][B] states to continue from; None where a sequence starts (its slot may hold a previous owner's)."""
+        return [[LinearAttentionState(conv[s.state_slot], recurrent[s.state_slot]) if s.num_computed_tokens else None
+                 for s in scheduled]
+                for conv, recurrent in self.kv_storage.linear_states]
+
+    def _store_states(self, scheduled: tuple[ScheduledSequence, ...],
+                      new_states: list[list[LinearAttentionState]]) -> None:
+        slots = torch.tensor([s.state_slot for s in scheduled], dtype=torch.long, device=self.device)
+        for (conv, recurrent), layer_states in zip(self.kv_storage.linear_states, new_states):
+            conv.index_copy_(0, slots, torch.stack([state.conv for state in layer_states]).to(conv.dtype))
+            recurrent.index_copy_(0, slots, torch.stack([state.recurrent for state in layer_states]))
 
     def prepare_inputs(self, scheduled: tuple[ScheduledSequence, ...]) -> ModelInputs:
         input_ids: list[int] = []

@@ -49,7 +49,8 @@ class OutputProcessor:
         text = self._detokenizers.pop(seq.seq_id).text
         completion = CompletionOutput(0, text, seq.output_token_ids, list(seq.output_logprobs),
                                       seq.finish_reason, seq.stop_reason)
-        return RequestOutput(seq.seq_id, seq.prompt, seq.prompt_token_ids, [completion], finished=True)
+        return RequestOutput(seq.seq_id, seq.prompt, seq.prompt_token_ids, [completion], finished=True,
+                             num_cached_tokens=seq.num_cached_tokens)
 
 
 def find_stop_string(text: str, num_new_chars: int, stops: tuple[str, ...]) -> tuple[str, int] | None:

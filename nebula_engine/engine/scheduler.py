@@ -4,6 +4,8 @@ Each step spends a budget of ``max_num_batched_tokens`` new tokens: running sequ
 decode costs one token, an unfinished prefill continues with the next chunk), then waiting
 sequences in arrival order. When the pool runs out of pages, the newest running sequence is
 preempted: its pages are freed and it re-enters the front of the queue to be recomputed.
+With prefix caching, a sequence is admitted after its longest cached prefix (never its last token)
+and its pages are cached as they fill; unlocked cached pages are evicted before anyone is preempted.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 from nebula_engine.config import SchedulerConfig
 from nebula_engine.engine.sequence import Sequence, SequenceStatus
 from nebula_engine.kvcache.pool import KVCacheManager, OutOfPagesError
+from nebula_engine.kvcache.prefix_caching import PrefixCachingKVCacheManager
 
 
 @dataclass(frozen=True)
@@ -23,6 +26,7 @@ class ScheduledSequence:
     num_new_tokens: int
     block_table: list[int]  # the sequence's pages; read-only, valid for this step
     samples: bool  # this step reaches the last known token, so the next one is sampled
+    state_slot: int | None = None  # linear-attention state slot (models with linear-attention layers only)
 
     @property
     def seq_id(self) -> str:
@@ -48,6 +52,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager):
         self.config = config
         self.kv_cache = kv_cache
+        self.prefix_cache = kv_cache if isinstance(kv_cache, PrefixCachingKVCacheManager) else None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._finished_seq_ids: list[str] = []
@@ -101,8 +106,12 @@ class Scheduler:
     def _schedule_waiting(self, budget: int, scheduled: list) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if self._waits_for_cache_io(seq, scheduled):
+                break
+            self._match_prefix(seq)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.kv_cache.can_allocate(seq.seq_id, seq.num_computed_tokens + num_new):
+                self._undo_match(seq)  # a waiting sequence holds no pages, so it cannot pin the cache
                 break
             self.kv_cache.allocate_slots(seq.seq_id, seq.num_computed_tokens + num_new)
             self.waiting.popleft()
@@ -111,14 +120,37 @@ class Scheduler:
             scheduled.append(self._entry(seq, num_new))
             budget -= num_new
 
+    def _waits_for_cache_io(self, seq: Sequence, scheduled: list) -> bool:
+        """``seq``'s cached prefix is still loading from disk while other sequences can run: admitting
+        it now would block the step on that read."""
+        if self.prefix_cache is None or not (self.running or scheduled):
+            return False
+        return self.prefix_cache.loading(seq.token_ids)
+
+    def _match_prefix(self, seq: Sequence) -> None:
+        """Start ``seq`` after its longest cached prefix (its pages are shared, not recomputed)."""
+        if self.prefix_cache is None:
+            return
+        seq.num_computed_tokens = self.prefix_cache.match_prefix(seq.seq_id, seq.token_ids)
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = seq.num_computed_tokens
+
+    def _undo_match(self, seq: Sequence) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.free(seq.seq_id)
+            seq.num_computed_tokens = 0
+
     def _entry(self, seq: Sequence, num_new: int) -> ScheduledSequence:
         samples = seq.num_computed_tokens + num_new == seq.num_tokens
-        return ScheduledSequence(seq, seq.num_computed_tokens, num_new, self.kv_cache.block_tables[seq.seq_id], samples)
+        return ScheduledSequence(seq, seq.num_computed_tokens, num_new, self.kv_cache.block_tables[seq.seq_id], samples,
+                                 self.kv_cache.state_slot(seq.seq_id))
 
     def advance(self, output: SchedulerOutput) -> None:
         """The model ran ``output``: its new tokens now have K/V in the cache."""
         for entry in output.scheduled:
             entry.seq.num_computed_tokens += entry.num_new_tokens
+            if self.prefix_cache is not None:  # full pages become reusable as soon as they are computed
+                self.prefix_cache.cache_pages(entry.seq_id, entry.seq.token_ids, entry.seq.num_computed_tokens)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         seq.status = SequenceStatus.FINISHED

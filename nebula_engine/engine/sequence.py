@@ -24,6 +24,7 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling_params = sampling_params
         self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # tokens found in the prefix cache at first admission
         self.status = SequenceStatus.WAITING
         self.output_logprobs: list[float] = []
         self.finish_reason: str | None = None

@@ -15,10 +15,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Sequence
+from functools import cached_property
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:  # mla_attention builds on this module
+    from nebula_engine.kernels.mla_attention import MLAAttentionBackend, MLAParams
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,15 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.seq_lens)
 
+    @cached_property
+    def page_runs(self) -> list[list[tuple[int, int]]]:
+        """Per sequence, its context pages as runs ``(first page id, num pages)`` of consecutive ids.
+
+        Computed once per forward and shared by every layer: a run is a zero-copy view of the cache.
+        """
+        return [_consecutive_runs(row[: -(-length // self.page_size)])
+                for row, length in zip(self.block_tables.tolist(), self.seq_lens)]
+
     @classmethod
     def dense(cls, query_lens: Sequence[int]) -> AttentionMetadata:
         """Cache-less metadata: each sequence is wholly new and attends causally to itself."""
@@ -40,6 +53,16 @@ class AttentionMetadata:
         for n in query_lens:
             starts.append(starts[-1] + n)
         return cls(query_start_loc=starts, seq_lens=list(query_lens), block_tables=None, slot_mapping=None)
+
+
+def _consecutive_runs(pages: list[int]) -> list[tuple[int, int]]:
+    runs: list[tuple[int, int]] = []
+    for page in pages:
+        if runs and runs[-1][0] + runs[-1][1] == page:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((page, 1))
+    return runs
 
 
 class AttentionBackend(ABC):
@@ -76,6 +99,48 @@ def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.T
     return k, v
 
 
+MIN_VIEW_PAGES = 4  # shorter page runs are gathered together: a matmul per tiny run costs more
+
+
+def _context_chunks(cache: torch.Tensor, runs: list[tuple[int, int]], length: int) -> list[torch.Tensor]:
+    """The first ``length`` cached tokens as [L_i, Hkv, D] pieces: long page runs as views, the rest
+    gathered into one piece. Attention does not depend on key order, only on K and V pieces aligning."""
+    page_size = cache.shape[1]
+    chunks, short_pages, short_tokens, remaining = [], [], 0, length
+    for first, count in runs:
+        tokens = min(count * page_size, remaining)
+        remaining -= tokens
+        if count >= MIN_VIEW_PAGES:
+            chunks.append(cache[first: first + count].flatten(0, 1)[:tokens])
+        else:  # only the context's last page can be partial, and it stays last among the short pages
+            short_pages.extend(range(first, first + count))
+            short_tokens += tokens
+    if short_pages:
+        pages = torch.tensor(short_pages, device=cache.device)
+        chunks.append(cache.index_select(0, pages).flatten(0, 1)[:short_tokens])
+    return chunks
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     runs: list[tuple[int, int]], length: int, scale: float) -> torch.Tensor:
+    """One query token q [1, H, D] over the first ``length`` cached tokens of a sequence.
+
+    Copying the context out of the pages costs as much as attending over it, so consecutive page
+    runs are read in place as views; scores [Hkv, G, L] are concatenated and softmaxed once.
+    """
+    num_kv_heads = k_cache.shape[2]
+    q_grouped = q[0].view(num_kv_heads, -1, q.shape[-1]) * scale  # [Hkv, G, D], G = H / Hkv
+    keys, values = _context_chunks(k_cache, runs, length), _context_chunks(v_cache, runs, length)
+    scores = torch.cat([torch.matmul(q_grouped, key.permute(1, 2, 0)) for key in keys], dim=-1)
+    probs = scores.float().softmax(dim=-1).to(q.dtype)  # [Hkv, G, L]
+    out, offset = None, 0
+    for value in values:
+        part = torch.matmul(probs[..., offset: offset + value.shape[0]], value.transpose(0, 1))
+        out = part if out is None else out + part
+        offset += value.shape[0]
+    return out.reshape(1, q.shape[1], -1)  # [1, H, Dv]
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q [Lq, H, D] are the last Lq tokens of the Lk-token context k [Lk, Hkv, D], v [Lk, Hkv, Dv]."""
     lq, lk = q.shape[0], k.shape[0]
@@ -94,7 +159,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 
 class TorchPagedAttention(AttentionBackend):
-    """Reference backend: scatter new K/V into pages, gather each sequence's context, SDPA."""
+    """Reference backend: scatter new K/V into pages; decode reads pages in place, prefill gathers + SDPA."""
 
     name = "torch"
 
@@ -107,6 +172,10 @@ class TorchPagedAttention(AttentionBackend):
             q_len, ctx_len = end - start, meta.seq_lens[b]
             if q_len == ctx_len or kv_cache is None:
                 kb, vb = k[start:end], v[start:end]
+            elif q_len == 1:
+                out[start:end] = decode_attention(q[start:end], kv_cache[0], kv_cache[1],
+                                                  meta.page_runs[b], ctx_len, scale)
+                continue
             else:
                 kb, vb = gather_kv(kv_cache[0], kv_cache[1], meta.block_tables[b], ctx_len)
             out[start:end] = causal_attention(q[start:end], kb, vb, scale)
@@ -124,16 +193,30 @@ def get_attention_backend(name: str = "torch") -> AttentionBackend:
 
 @dataclass
 class AttentionContext:
-    """What one forward pass hands to every attention layer: backend, metadata, per-layer caches."""
+    """What one forward pass hands to every attention layer: backend, metadata, per-layer caches.
+
+    Full-attention layers call ``attend`` (K/V caches); MLA layers call ``attend_latent`` (latent caches,
+    one [P, S, R + Dr] tensor per layer, served by ``mla_backend``).
+    """
 
     backend: AttentionBackend
     meta: AttentionMetadata
-    kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None
+    kv_caches: Sequence[tuple[torch.Tensor, ...]] | None = None
+    mla_backend: MLAAttentionBackend | None = None
 
     def attend(self, layer_idx: int, q, k, v, scale: float) -> torch.Tensor:
         cache = self.kv_caches[layer_idx] if self.kv_caches is not None else None
         return self.backend.forward(q, k, v, cache, self.meta, scale)
 
+    def attend_latent(self, layer_idx: int, q_nope, q_pe, latent, k_pe, params: MLAParams) -> torch.Tensor:
+        """MLA: q_nope [T, H, Dn], q_pe [T, H, Dr], c̃ [T, R], k_pe [T, Dr] -> [T, H, Dv] (see mla_attention)."""
+        if self.mla_backend is None:
+            raise ValueError("an MLA layer needs AttentionContext.mla_backend (kernels.mla_attention.get_mla_backend)")
+        cache = self.kv_caches[layer_idx][0] if self.kv_caches is not None else None
+        return self.mla_backend.forward(q_nope, q_pe, latent, k_pe, cache, self.meta, params)
+
     @classmethod
     def dense(cls, query_lens: Sequence[int]) -> AttentionContext:
-        return cls(TorchPagedAttention(), AttentionMetadata.dense(query_lens))
+        from nebula_engine.kernels.mla_attention import TorchMLAAttention  # imported here: it imports this module
+
+        return cls(TorchPagedAttention(), AttentionMetadata.dense(query_lens), mla_backend=TorchMLAAttention())

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from nebula_engine.kernels.attention import AttentionContext
+from nebula_engine.kvcache.spec import KVCacheGroupSpec, full_attention_groups
 from nebula_engine.model.config import ModelConfig
 from nebula_engine.model.layers import RMSNorm, RopeAttention
 from nebula_engine.model.weights import load_named_weights
@@ -60,6 +61,19 @@ class CausalLM(nn.Module, ABC):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_named_weights(self, weights, ignore=self.ignored_weights,
                            tied_lm_head=self.config.tie_word_embeddings)
+        if not self.config.tie_word_embeddings:
+            self._store_lm_head_transposed()
+
+    @torch.no_grad()
+    def _store_lm_head_transposed(self) -> None:
+        """Keep ``lm_head.weight`` [V, Hd] as a view of [Hd, V] storage; name, shape and values unchanged.
+
+        Logits of a few rows (decode) are a skinny matmul whose speed is bound by reading the V x Hd
+        weight; BLAS reads the [Hd, V] layout ~1.3x faster on CPU (measured 10.3 -> 7.8 ms for
+        4 x 512 x 32000). A tied head shares the embedding table, whose row lookups want [V, Hd].
+        """
+        weight = self.lm_head.weight
+        self.lm_head.weight = nn.Parameter(weight.t().contiguous().t(), requires_grad=weight.requires_grad)
 
     def attention_layers(self) -> list[RopeAttention]:
         """Attention modules ordered by their index into ``AttentionContext.kv_caches``."""
@@ -71,5 +85,9 @@ class CausalLM(nn.Module, ABC):
         return len(self.attention_layers())
 
     def kv_cache_shape_per_layer(self) -> list[tuple[int, int, int]]:
-        """``(num_kv_heads, head_dim, v_head_dim)`` for each attention layer, in kv_caches order."""
+        """``(num_kv_heads, head_dim, v_head_dim)`` for each full-attention layer, in kv_caches order."""
         return [(m.num_kv_heads, m.head_dim, m.v_head_dim) for m in self.attention_layers()]
+
+    def kv_cache_groups(self, dtype: torch.dtype) -> list[KVCacheGroupSpec]:
+        """What the engine's pool must hold for this model, one group per kind of layer storage."""
+        return full_attention_groups(self.kv_cache_shape_per_layer(), dtype)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nebula_engine.kvcache.spec import KVCacheGroupSpec
 from nebula_engine.model.base import CausalLM
 from nebula_engine.model.config import ModelConfig
 from nebula_engine.model.layers import DecoderLayer, GatedMLP, StackedExperts
@@ -101,3 +102,8 @@ class DeepseekV2ForCausalLM(CausalLM):
     def attention_layers(self) -> list[MLAttention]:
         layers = [m for m in self.modules() if isinstance(m, MLAttention)]
         return sorted(layers, key=lambda m: m.attn_layer_idx)
+
+    def kv_cache_groups(self, dtype: torch.dtype) -> list[KVCacheGroupSpec]:
+        """One latent group: every layer caches c̃ + k_pe (R + Dr values per token)."""
+        layers = self.attention_layers()
+        return [KVCacheGroupSpec(tuple(range(len(layers))), layers[0].kv_cache_spec(dtype))]

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nebula_engine.kernels.gated_delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from nebula_engine.kvcache.spec import LinearStateSpec
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,11 @@ class GatedDeltaNetConfig:
                    num_v_heads=raw["linear_num_value_heads"], head_k_dim=raw["linear_key_head_dim"],
                    head_v_dim=raw["linear_value_head_dim"], conv_kernel=raw["linear_conv_kernel_dim"],
                    eps=raw.get("rms_norm_eps", 1e-6))
+
+    def state_spec(self, dtype: torch.dtype) -> LinearStateSpec:
+        """The engine's per-sequence slot for one layer's ``LinearAttentionState``."""
+        return LinearStateSpec(self.conv_channels, self.conv_kernel - 1, self.num_v_heads, self.head_k_dim,
+                               self.head_v_dim, dtype)
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,12 @@
-"""Multi-head latent attention (DeepSeek-V2), run through the standard attention contract.
+"""Multi-head latent attention (DeepSeek-V2) over a latent KV cache.
 
 Legend: T = tokens, Hd = hidden size, H = heads, R = kv_lora_rank (latent width), Dn = qk_nope_head_dim,
 Dr = qk_rope_head_dim, Dv = v_head_dim, D = Dn + Dr.
 
 Per token the layer produces a latent ``c̃`` [R] and one rotated ``k_pe`` [Dr] shared by all heads
-(``latent``): those R + Dr values are all a latent KV cache needs. For now ``forward`` decompresses them
-per token to ordinary per-head K [T, H, D] (= [k_nope_h; k_pe]) and V [T, H, Dv] (``decompress``), so the
-paged K/V cache holds Hkv = H heads of width D / Dv; a latent cache with weight absorption plugs in later.
+(``latent``): those R + Dr values are all the cache keeps (``kv_cache_spec``). Attention itself — decompress
+for prefill, absorb ``kv_b_proj`` into query and output for decode — is the MLA backend's job
+(``kernels.mla_attention``), reached through ``AttentionContext.attend_latent``.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import torch
 from torch import nn
 
 from nebula_engine.kernels.attention import AttentionContext
+from nebula_engine.kernels.mla_attention import MLAParams
+from nebula_engine.kvcache.spec import MLALatentSpec
 from nebula_engine.model.config import ModelConfig, RopeConfig
 from nebula_engine.model.layers import RMSNorm
 from nebula_engine.model.rotary import RotaryEmbedding
@@ -66,9 +68,6 @@ class MLAttention(nn.Module):
         super().__init__()
         mla = self.mla = MLAConfig.from_hf(config.hf_config)
         self.attn_layer_idx = attn_layer_idx
-        # what the decompressed path stores per token and layer: (Hkv, D, Dv) as for any attention layer
-        self.num_heads = self.num_kv_heads = mla.num_heads
-        self.head_dim, self.v_head_dim = mla.qk_head_dim, mla.v_head_dim
         hidden, bias, eps = config.hidden_size, config.attention_bias, config.rms_norm_eps
         if mla.q_lora_rank is None:
             self.q_proj = nn.Linear(hidden, mla.num_heads * mla.qk_head_dim, bias=False)
@@ -106,9 +105,16 @@ class MLAttention(nn.Module):
         k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, mla.num_heads, -1)], dim=-1)
         return k, v
 
+    def kv_cache_spec(self, dtype: torch.dtype) -> MLALatentSpec:
+        return MLALatentSpec(self.mla.kv_lora_rank, self.mla.qk_rope_head_dim, dtype)
+
+    def attention_params(self) -> MLAParams:
+        mla = self.mla
+        kv_b = self.kv_b_proj.weight.view(mla.num_heads, mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank)
+        return MLAParams(kv_b, mla.qk_nope_head_dim, self.scale)
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor, attn_ctx: AttentionContext) -> torch.Tensor:
         q_nope, q_pe = self.query(positions, x)
-        k, v = self.decompress(*self.latent(positions, x))
-        q = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, D]
-        out = attn_ctx.attend(self.attn_layer_idx, q, k, v, self.scale)  # [T, H, Dv]
-        return self.o_proj(out.flatten(1))
+        latent, k_pe = self.latent(positions, x)
+        out = attn_ctx.attend_latent(self.attn_layer_idx, q_nope, q_pe, latent, k_pe, self.attention_params())
+        return self.o_proj(out.flatten(1))  # out [T, H, Dv]

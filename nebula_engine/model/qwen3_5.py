@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from nebula_engine.kernels.attention import AttentionContext, AttentionMetadata
+from nebula_engine.kvcache.spec import KVCacheGroupSpec
 from nebula_engine.model.base import CausalLM
 from nebula_engine.model.config import ModelConfig
 from nebula_engine.model.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig, LinearAttentionState
@@ -95,6 +96,11 @@ class Qwen3_5ForCausalLM(CausalLM):
     @property
     def num_linear_layers(self) -> int:
         return self.layer_types.count(LINEAR)
+
+    def kv_cache_groups(self, dtype: torch.dtype) -> list[KVCacheGroupSpec]:
+        """K/V pages for the full-attention layers plus one state slot per sequence in each linear layer."""
+        linear = KVCacheGroupSpec(tuple(range(self.num_linear_layers)), self.linear_config.state_spec(dtype))
+        return super().kv_cache_groups(dtype) + [linear]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_ctx: AttentionContext) -> torch.Tensor:
         return self.forward_with_states(input_ids, positions, attn_ctx)[0]

@@ -8,12 +8,12 @@ from nebula_engine.kvcache.pool import (KVCacheError, KVCacheManager, KVCacheSto
 from nebula_engine.kvcache.spec import FullAttentionSpec, KVCacheGroupSpec, bytes_per_page, full_attention_groups
 
 
-def test_page_pool_hands_out_ids_in_free_list_order():
+def test_page_pool_hands_out_lowest_free_ids_first():
     pool = PagePool(4)
     assert pool.allocate(2) == [0, 1]
     assert pool.allocate(1) == [2]
     pool.release([1])
-    assert pool.allocate(2) == [3, 1]
+    assert pool.allocate(2) == [1, 3]
     assert pool.num_free_pages == 0
 
 
@@ -142,3 +142,13 @@ def test_storage_allocates_per_layer_tensors_and_copies_pages():
     v[0].fill_(3.0)
     storage.copy_pages([PageCopy(0, 2)])
     assert torch.equal(k[2], k[0]) and torch.equal(v[2], v[0])
+
+
+def test_freed_pages_come_back_as_consecutive_runs():
+    """Attention reads consecutive pages in place, so freeing must not scramble the free list."""
+    kv = KVCacheManager(num_pages=8, page_size=4)
+    kv.allocate_slots("a", 16)
+    kv.allocate_slots("b", 16)
+    kv.free("b")
+    kv.free("a")
+    assert kv.allocate_slots("c", 32) == [0, 1, 2, 3, 4, 5, 6, 7]

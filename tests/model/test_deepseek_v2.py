@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from nebula_engine.kernels.attention import AttentionContext
+from nebula_engine.kvcache.spec import KVCacheGroupSpec, MLALatentSpec
 from nebula_engine.model.deepseek_v2 import DeepseekMoE, keep_top_groups
 from nebula_engine.model.loader import load_model
 from nebula_engine.model.mla import MLAttention
@@ -47,9 +48,10 @@ def test_softmax_scale_includes_mscale_squared_like_transformers(case, checkpoin
 @pytest.mark.parametrize("case", DEEPSEEK_CASES, ids=str)
 @torch.no_grad()
 def test_chunked_prefill_through_paged_cache(case, checkpoint_factory):
-    """The decompressed MLA path (Hkv = H, D = 24 != Dv = 12) through the engine's paged K/V cache."""
+    """MLA through the engine's paged latent cache: one group, c̃ (R = 32) + k_pe (Dr = 8) per token and layer."""
     model, config, _ = load_model(str(checkpoint_factory(case)))
-    assert model.kv_cache_shape_per_layer() == [(4, 24, 12)] * config.num_hidden_layers
+    assert model.kv_cache_groups(torch.float32) == [
+        KVCacheGroupSpec(tuple(range(config.num_hidden_layers)), MLALatentSpec(32, 8, torch.float32))]
     check_paged(case, checkpoint_factory)  # the same check as for the other families
 
 

@@ -9,6 +9,8 @@ import torch
 import transformers
 
 from nebula_engine.kernels.attention import AttentionContext, AttentionMetadata, TorchPagedAttention
+from nebula_engine.kernels.mla_attention import TorchMLAAttention
+from nebula_engine.kvcache.pool import KVCacheStorage
 from nebula_engine.model.loader import load_model
 from tests.model_cases import CASES_BY_NAME, MODEL_CASES, checkpoint_factory  # noqa: F401  (fixture)
 
@@ -48,9 +50,8 @@ def test_varlen_prefill_logits_match_transformers(case, checkpoint_factory):
     assert torch.equal(logits.argmax(-1), reference.argmax(-1))
 
 
-def _paged_context(model, num_pages: int, page_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(torch.zeros(num_pages, page_size, kv_heads, head_dim), torch.zeros(num_pages, page_size, kv_heads, v_dim))
-            for kv_heads, head_dim, v_dim in model.kv_cache_shape_per_layer()]
+def _paged_context(model, num_pages: int, page_size: int) -> list[tuple[torch.Tensor, ...]]:
+    return KVCacheStorage(model.kv_cache_groups(torch.float32), num_pages, page_size, "cpu").layer_caches
 
 
 PAGED_CASES = [CASES_BY_NAME[n] for n in ("mistral_gqa2", "qwen3_gqa2_hd20", "qwen3_moe_step2_mlp_only_no_renorm")]
@@ -78,7 +79,7 @@ def test_chunked_prefill_through_paged_cache_matches_dense(case, checkpoint_fact
                            for b, (s, e) in enumerate(chunk)])
         starts = [0, chunk[0][1] - chunk[0][0], chunk[0][1] - chunk[0][0] + chunk[1][1] - chunk[1][0]]
         meta = AttentionMetadata(starts, [e for _, e in chunk], block_tables, slots, page_size)
-        ctx = AttentionContext(TorchPagedAttention(), meta, kv_caches)
+        ctx = AttentionContext(TorchPagedAttention(), meta, kv_caches, TorchMLAAttention())
         outputs.append(model.compute_logits(model(chunk_ids, chunk_pos, ctx)).split([e - s for s, e in chunk]))
     paged = torch.cat([torch.cat([outputs[0][b], outputs[1][b]]) for b in range(2)])
     torch.testing.assert_close(paged, dense, atol=1e-4, rtol=1e-4)

@@ -1,0 +1,129 @@
+"""Multi-head latent attention (DeepSeek-V2) over a paged latent cache: backends and torch reference.
+
+Legend: T = new tokens in the batch, H = heads, R = kv_lora_rank, Dn = qk_nope_head_dim, Dr = qk_rope_head_dim,
+Dv = v_head_dim, L = context tokens of one sequence, P = pages, S = page size.
+
+Latent cache of one layer: ``[P, S, R + Dr]``, each token's normed latent c̃ followed by its rotated k_pe
+(shared by all heads); slots as in ``kernels.attention``. ``kv_b`` [H, Dn + Dv, R] is ``kv_b_proj.weight``
+viewed per head: rows ``:Dn`` are W_UK (k_nope_h = W_UK,h c̃), rows ``Dn:`` are W_UV (v_h = W_UV,h c̃).
+
+Two exact rewrites of the same attention, chosen per sequence by the backend:
+- decompressed: K_h = [W_UK,h c̃; k_pe], V_h = W_UV,h c̃ per context token, then causal attention. Prefill
+  chunks use it: with many queries, decompressing L tokens once is cheaper than absorbing into each query.
+- absorbed: q_lat,h = W_UK,hᵀ q_nope,h makes scores = scale·(q_lat,h·c̃ + q_pe,h·k_pe), MQA with one
+  (R + Dr)-wide key per token that *is* the cache row; o_h = W_UV,h Σ p c̃. Decode uses it: nothing of
+  the L-token context is decompressed, so a step reads R + Dr values per token instead of H·(D + Dv).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from nebula_engine.kernels.attention import AttentionMetadata, causal_attention
+
+
+@dataclass(frozen=True)
+class MLAParams:
+    """What attention needs of an MLA layer beyond its activations."""
+
+    kv_b: torch.Tensor  # [H, Dn + Dv, R]
+    nope_dim: int  # Dn
+    scale: float
+
+    @property
+    def w_uk(self) -> torch.Tensor:  # [H, Dn, R]
+        return self.kv_b[:, : self.nope_dim]
+
+    @property
+    def w_uv(self) -> torch.Tensor:  # [H, Dv, R]
+        return self.kv_b[:, self.nope_dim:]
+
+
+class MLAAttentionBackend(ABC):
+    """Writes each new token's (c̃, k_pe) into the latent cache and attends every new token causally."""
+
+    name: str
+
+    @abstractmethod
+    def forward(
+        self,
+        q_nope: torch.Tensor,  # [T, H, Dn]
+        q_pe: torch.Tensor,  # [T, H, Dr], rotated
+        latent: torch.Tensor,  # [T, R] normed c̃ of the new tokens
+        k_pe: torch.Tensor,  # [T, Dr], rotated
+        cache: torch.Tensor | None,  # [P, S, R + Dr]; None => no cache, every sequence wholly new
+        meta: AttentionMetadata,
+        params: MLAParams,
+    ) -> torch.Tensor:  # [T, H, Dv]
+        ...
+
+
+def write_latent(cache: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    rows = torch.cat([latent, k_pe], dim=-1).to(cache.dtype)  # [T, R + Dr]
+    cache.view(-1, cache.shape[-1]).index_copy_(0, slot_mapping, rows)
+
+
+def gather_latent(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` cache rows of one sequence, contiguous [L, R + Dr]."""
+    page_size = cache.shape[1]
+    pages = block_table[: (length + page_size - 1) // page_size]
+    return cache.index_select(0, pages).flatten(0, 1)[:length]
+
+
+def decompressed_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
+                           params: MLAParams) -> torch.Tensor:
+    """q [Lq, H, ·] are the last Lq tokens of the L-token context latent [L, R], k_pe [L, Dr] -> [Lq, H, Dv]."""
+    heads, nope = params.kv_b.shape[0], params.nope_dim
+    kv = F.linear(latent, params.kv_b.flatten(0, 1)).view(latent.shape[0], heads, -1)  # [L, H, Dn + Dv]
+    k = torch.cat([kv[..., :nope], k_pe[:, None, :].expand(-1, heads, -1)], dim=-1)  # [L, H, Dn + Dr]
+    return causal_attention(torch.cat([q_nope, q_pe], dim=-1), k, kv[..., nope:], params.scale)
+
+
+def absorbed_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor,
+                       params: MLAParams) -> torch.Tensor:
+    """Same contract as ``decompressed_attention`` over cache rows [L, R + Dr] (= [c̃; k_pe]) as they are stored."""
+    rank = params.kv_b.shape[-1]
+    q_lat = torch.einsum("thn,hnr->thr", q_nope, params.w_uk.to(q_nope.dtype))  # [Lq, H, R]
+    keys = rows.to(q_nope.dtype)[:, None, :]  # [L, 1, R + Dr]: one key head shared by every query head
+    o_lat = causal_attention(torch.cat([q_lat, q_pe], dim=-1), keys, keys[..., :rank], params.scale)  # [Lq, H, R]
+    return torch.einsum("thr,hvr->thv", o_lat, params.w_uv.to(q_nope.dtype))
+
+
+class TorchMLAAttention(MLAAttentionBackend):
+    """Reference backend: scatter rows into pages; per sequence, absorbed for decode, decompressed otherwise."""
+
+    name = "torch"
+
+    def forward(self, q_nope, q_pe, latent, k_pe, cache, meta, params):
+        if cache is not None and meta.slot_mapping is not None:
+            write_latent(cache, latent, k_pe, meta.slot_mapping)
+        out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], params.kv_b.shape[1] - params.nope_dim)
+        for b in range(meta.num_seqs):
+            start, end = meta.query_start_loc[b], meta.query_start_loc[b + 1]
+            q_len, ctx_len = end - start, meta.seq_lens[b]
+            if q_len == ctx_len or cache is None:
+                out[start:end] = decompressed_attention(q_nope[start:end], q_pe[start:end], latent[start:end],
+                                                        k_pe[start:end], params)
+                continue
+            rows = gather_latent(cache, meta.block_tables[b], ctx_len)
+            if q_len == 1:
+                out[start:end] = absorbed_attention(q_nope[start:end], q_pe[start:end], rows, params)
+            else:
+                ctx_latent, ctx_k_pe = rows.to(latent.dtype).split([params.kv_b.shape[-1], k_pe.shape[-1]], dim=-1)
+                out[start:end] = decompressed_attention(q_nope[start:end], q_pe[start:end], ctx_latent, ctx_k_pe,
+                                                        params)
+        return out
+
+
+_BACKENDS: dict[str, type[MLAAttentionBackend]] = {"torch": TorchMLAAttention}
+
+
+def get_mla_backend(name: str = "torch") -> MLAAttentionBackend:
+    """The MLA backend registered under the same name users give ``--attention-backend``."""
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown MLA attention backend {name!r}; available: {sorted(_BACKENDS)}")
+    return _BACKENDS[name]()

@@ -1,0 +1,205 @@
+"""One worker's cached KV: the PC radix tree and the PIC segment store over one ``PagePool``.
+
+Both types draw pages from the same pool (the shared budget, DESIGN §4). When the pool is short,
+``evict`` frees unlocked pages, the eviction policy choosing the type each time and each store its
+LRU victim. Every store and evict becomes an event in ``events``; ``snapshot()`` is the index those
+events describe.
+
+Handles returned by ``insert_prefix`` / ``insert_segment`` / ``promote_prefix`` / ``lookup_segment``
+come back locked: an unlocked handle's pages may be evicted by the next allocation.
+
+With lower tiers (``TierConfig``) an evicted entry is demoted instead of dropped, its page contents
+read through ``page_io``; a prefix or segment found on a lower tier is promoted into fresh pages.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from nebula_engine.kvcache.events import CacheIndex, CacheKind, EventLog, IndexEntry, Tier
+from nebula_engine.kvcache.eviction import CacheState, make_eviction_policy
+from nebula_engine.kvcache.pic_store import PICEntry, PICStore
+from nebula_engine.kvcache.page_io import PageIO
+from nebula_engine.kvcache.pool import OutOfPagesError, PagePool
+from nebula_engine.kvcache.radix_cache import RadixCache, TreeNode, block_hash
+from nebula_engine.kvcache.tiers import TierChain, TierConfig
+
+
+@dataclass(frozen=True)
+class CacheStoreConfig:
+    worker_id: int = 0
+    model_id: str = ""  # part of every key, so two models never share an entry
+    eviction_policy: str = "soft-share"  # soft-share | unified-lru | fixed-partition
+    pc_share: float = 0.5  # p: target PC share (soft-share) or PC partition (fixed-partition)
+
+
+class CacheStore:
+    def __init__(self, pool: PagePool, page_size: int, config: CacheStoreConfig = CacheStoreConfig(),
+                 tiers: TierConfig | None = None, page_io: PageIO | None = None):
+        self.pool = pool
+        self.page_size = page_size
+        self.config = config
+        self.events = EventLog(config.worker_id)
+        clock = itertools.count(1)  # one clock for both types, so unified-lru can compare them
+        self.radix = RadixCache(pool, page_size, self.events, clock, config.model_id)
+        self.pic = PICStore(pool, page_size, self.events, clock)
+        self.policy = make_eviction_policy(config.eviction_policy, config.pc_share)
+        self.page_io = page_io  # may be attached later, before the first eviction
+        self.tiers = TierChain(tiers, self.events) if tiers is not None else None
+        if self.tiers is not None:
+            self.radix.demote, self.pic.demote = self._demote_node, self._demote_segment
+            self.radix.discard_lower = self.pic.discard_lower = self.tiers.discard
+
+    def _demote_node(self, node: TreeNode) -> bool:
+        payload = {"pages": self.page_io.read_pages([node.page])}
+        return self.tiers.demote(CacheKind.PC, node.block_hash, self.page_size, payload)
+
+    def _demote_segment(self, entry: PICEntry) -> bool:
+        payload = {"pages": self.page_io.read_pages(list(entry.pages)), "state": dict(entry.state),
+                   "num_tokens": entry.num_tokens}
+        return self.tiers.demote(CacheKind.PIC, entry.key, entry.num_tokens, payload)
+
+    def promote_prefix(self, node: TreeNode, token_ids: list[int]) -> tuple[TreeNode, list[int]]:
+        """Continue locked ``node``'s prefix with pages of ``token_ids`` held on lower tiers.
+
+        Returns (deepest node, now locked in ``node``'s place; the promoted pages in order).
+        Stops at the first page that is on no tier, fails verification, or finds no free page.
+        """
+        pages: list[int] = []
+        for start in range(0, len(token_ids) - self.page_size + 1, self.page_size) if self.tiers else ():
+            tokens = token_ids[start:start + self.page_size]
+            promoted = self._promote_into_pages(CacheKind.PC, block_hash(node.block_hash, tuple(tokens)), 1)
+            if promoted is None:
+                break
+            new_pages, _ = promoted
+            child = self.radix.insert(node, tokens, new_pages, promoted=True)
+            self.pool.release(new_pages)  # the tree holds its own reference now
+            self.radix.inc_lock_ref(child)
+            self.radix.dec_lock_ref(node)
+            node = child
+            pages += new_pages
+        return node, pages
+
+    def loading(self, node: TreeNode, token_ids: list[int]) -> bool:
+        """Whether pages continuing ``node``'s prefix with ``token_ids`` are still being read from disk.
+
+        Starts the reads it finds missing, so a later ``promote_prefix`` does not wait on the disk.
+        """
+        pending, key = False, node.block_hash
+        for start in range(0, len(token_ids) - self.page_size + 1, self.page_size) if self.tiers else ():
+            key = block_hash(key, tuple(token_ids[start:start + self.page_size]))
+            tier = self.tiers.tier_of(CacheKind.PC, key)
+            if tier is None:
+                break
+            load = self.tiers.prefetch(CacheKind.PC, key) if tier is Tier.DISK else None
+            pending = pending or (load is not None and not load.done())
+        return pending
+
+    def _promote_into_pages(self, kind: CacheKind, key: str, num_pages: int) -> tuple[list[int], dict] | None:
+        """(fresh pages holding ``key``'s contents, its payload), or None on a miss; the caller owns the pages."""
+        if self.tiers.tier_of(kind, key) is None:
+            return None
+        try:
+            pages = self.pool.allocate(num_pages)  # may demote others, even ``key`` further down
+        except OutOfPagesError:
+            return None
+        payload = self.tiers.promote(kind, key)
+        if payload is None:
+            self.pool.release(pages)
+            return None
+        self.page_io.write_pages(pages, payload["pages"])
+        return pages, payload
+
+    def lookup_segment(self, key: str, num_tokens: int) -> PICEntry | None:
+        """The segment on the device (promoted from a lower tier if needed), locked; None on a miss.
+
+        ``num_tokens`` is the segment's length: it sizes the pages a promotion needs.
+        """
+        entry = self.pic.lookup(key)
+        if entry is None and self.tiers is not None:
+            promoted = self._promote_into_pages(CacheKind.PIC, key, -(-num_tokens // self.page_size))
+            if promoted is not None:
+                pages, payload = promoted
+                entry = self.pic.insert(key, num_tokens, pages, payload["state"], promoted=True)
+                self.pool.release(pages)
+        if entry is not None:
+            self.pic.lock(entry)
+        return entry
+
+    def set_pc_share(self, pc_share: float) -> None:
+        """Retarget the PC share; nothing is evicted now, later evictions follow the new target."""
+        self.policy.pc_share = pc_share
+
+    @property
+    def num_evictable_pages(self) -> int:
+        return self.radix.evictable_size // self.page_size + self.pic.num_evictable_pages
+
+    def state(self) -> CacheState:
+        return CacheState(self.radix.total_size, self.pic.total_size, self.pool.num_pages * self.page_size,
+                          self.radix.oldest_evictable(), self.pic.oldest_evictable())
+
+    def insert_prefix(self, node: TreeNode, token_ids: list[int], pages: list[int]) -> TreeNode:
+        """Cache full pages continuing ``node``'s prefix; returns the last page's node, locked."""
+        last = self.radix.insert(node, token_ids, pages)
+        self.radix.inc_lock_ref(last)
+        self._enforce_quota(CacheKind.PC)
+        return last
+
+    def insert_segment(self, key: str, num_tokens: int, pages: list[int],
+                       state: Mapping[str, Any] | None = None) -> PICEntry:
+        """Cache a PIC segment (an existing key wins); returns its entry, locked."""
+        entry = self.pic.insert(key, num_tokens, pages, state)
+        self.pic.lock(entry)
+        self._enforce_quota(CacheKind.PIC)
+        return entry
+
+    def _enforce_quota(self, kind: CacheKind) -> None:
+        while self.policy.over_quota(kind, self.state()) and self._evict_kind(kind):
+            pass
+
+    def evict(self, num_pages: int) -> int:
+        """Evict until ``num_pages`` more pages are free or nothing is evictable; returns pages freed."""
+        start = self.pool.num_free_pages
+        while self.pool.num_free_pages - start < num_pages:
+            kind = self.policy.victim_kind(self.state())
+            if kind is None or not self._evict_kind(kind):
+                break
+        return self.pool.num_free_pages - start
+
+    def _evict_kind(self, kind: CacheKind) -> bool:
+        store = self.radix if kind is CacheKind.PC else self.pic
+        return store.evict_one() is not None
+
+    def occupancy(self) -> dict[tuple[CacheKind, Tier], int]:
+        """Tokens held per (kind, tier)."""
+        return self.snapshot().occupancy()
+
+    def snapshot(self) -> CacheIndex:
+        """The full index now; equals the replay of every event emitted so far."""
+        index = CacheIndex(self.config.worker_id, self.events.last_seq)
+        for node in self.radix.nodes():
+            index.entries[CacheKind.PC, node.block_hash] = IndexEntry(Tier.DEVICE, self.page_size)
+        for entry in self.pic.entries():
+            index.entries[CacheKind.PIC, entry.key] = IndexEntry(Tier.DEVICE, entry.num_tokens)
+        for kind, key, tier, num_tokens in self.tiers.entries() if self.tiers else ():
+            index.entries[kind, key] = IndexEntry(tier, num_tokens)
+        return index
+
+    def flush(self) -> None:
+        """Wait for background tier I/O."""
+        if self.tiers is not None:
+            self.tiers.flush()
+
+    def close(self) -> None:
+        """Finish background tier I/O and stop its thread; the disk tier stays valid for a restart."""
+        if self.tiers is not None:
+            self.tiers.close()
+
+    def drain_events(self):
+        return self.events.drain_events()
+
+    def check_integrity(self) -> None:
+        self.radix.check_integrity()
+        self.pic.check_integrity()

@@ -1,0 +1,144 @@
+"""Worker-side cache events and the index they describe.
+
+Every store, evict and tier move of a cached entry becomes one event, numbered by a per-worker
+sequence that increases by one per event. Replaying a worker's events in order on an empty
+``CacheIndex`` reproduces that worker's index exactly (its ``snapshot()``): that is how a router
+keeps a view without ever touching KV bytes. The fields mirror ``cluster.messages`` (which may not
+be imported from here: dependencies run cluster -> engine -> kvcache).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class CacheKind(str, enum.Enum):
+    PC = "pc"  # prefix-chain page: valid only after exactly the same preceding tokens
+    PIC = "pic"  # position-independent segment: keyed by its content alone
+
+
+class Tier(str, enum.Enum):
+    DEVICE = "device"
+    HOST = "host"
+    DISK = "disk"
+
+
+@dataclass(frozen=True)
+class StoreEvent:
+    """``worker`` now holds ``keys`` on ``tier``.
+
+    A PC event lists consecutive pages of one chain, each key covering one full page
+    (``num_tokens // len(keys)`` tokens); ``parent_key`` is the chain's key before ``keys[0]``
+    (None at the root). A PIC event carries exactly one key.
+    """
+
+    worker: int
+    seq: int
+    kind: CacheKind
+    keys: tuple[str, ...]
+    num_tokens: int
+    tier: Tier = Tier.DEVICE
+    parent_key: str | None = None
+
+
+@dataclass(frozen=True)
+class EvictEvent:
+    """``keys`` are dropped from ``tier`` (and from the worker: a demotion is a ``MoveEvent``)."""
+
+    worker: int
+    seq: int
+    kind: CacheKind
+    keys: tuple[str, ...]
+    num_tokens: int
+    tier: Tier = Tier.DEVICE
+
+
+@dataclass(frozen=True)
+class MoveEvent:
+    """``keys`` moved from tier ``src`` to tier ``dst`` (demotion or promotion)."""
+
+    worker: int
+    seq: int
+    kind: CacheKind
+    keys: tuple[str, ...]
+    num_tokens: int
+    src: Tier
+    dst: Tier
+
+
+CacheEvent = StoreEvent | EvictEvent | MoveEvent
+
+
+class EventLog:
+    """Assigns sequence numbers and buffers events until ``drain_events()``."""
+
+    def __init__(self, worker: int):
+        self.worker = worker
+        self.last_seq = 0
+        self._pending: list[CacheEvent] = []
+
+    def _next(self) -> int:
+        self.last_seq += 1
+        return self.last_seq
+
+    def store(self, kind: CacheKind, keys: tuple[str, ...], num_tokens: int, tier: Tier = Tier.DEVICE,
+              parent_key: str | None = None) -> None:
+        self._pending.append(StoreEvent(self.worker, self._next(), kind, keys, num_tokens, tier, parent_key))
+
+    def evict(self, kind: CacheKind, keys: tuple[str, ...], num_tokens: int, tier: Tier = Tier.DEVICE) -> None:
+        self._pending.append(EvictEvent(self.worker, self._next(), kind, keys, num_tokens, tier))
+
+    def move(self, kind: CacheKind, keys: tuple[str, ...], num_tokens: int, src: Tier, dst: Tier) -> None:
+        self._pending.append(MoveEvent(self.worker, self._next(), kind, keys, num_tokens, src, dst))
+
+    def drain_events(self) -> list[CacheEvent]:
+        """Events since the previous drain, in sequence order."""
+        events, self._pending = self._pending, []
+        return events
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    tier: Tier
+    num_tokens: int
+
+
+@dataclass
+class CacheIndex:
+    """``(kind, key) -> (tier, tokens)`` of one worker; built by ``apply`` or by a cache's snapshot."""
+
+    worker: int
+    last_seq: int = 0
+    entries: dict[tuple[CacheKind, str], IndexEntry] = field(default_factory=dict)
+
+    def apply(self, event: CacheEvent) -> None:
+        """Replay one event; raises ValueError on a gap in ``seq`` or an event the index contradicts."""
+        if event.worker != self.worker or event.seq != self.last_seq + 1:
+            raise ValueError(f"event {event.seq} of worker {event.worker} does not follow {self.last_seq}")
+        self.last_seq = event.seq
+        per_key = event.num_tokens // len(event.keys) if event.keys else 0
+        for key in event.keys:
+            self._apply_key(event, (event.kind, key), per_key)
+
+    def _apply_key(self, event: CacheEvent, ident: tuple[CacheKind, str], num_tokens: int) -> None:
+        current = self.entries.get(ident)
+        if isinstance(event, StoreEvent):
+            if current is not None:
+                raise ValueError(f"store of {ident} already held on {current.tier}")
+            self.entries[ident] = IndexEntry(event.tier, num_tokens)
+            return
+        expected = event.tier if isinstance(event, EvictEvent) else event.src
+        if current is None or current.tier is not expected:
+            raise ValueError(f"{type(event).__name__} of {ident} on {expected}, index has {current}")
+        if isinstance(event, EvictEvent):
+            del self.entries[ident]
+        else:
+            self.entries[ident] = IndexEntry(event.dst, current.num_tokens)
+
+    def occupancy(self) -> dict[tuple[CacheKind, Tier], int]:
+        """Tokens held per (kind, tier); every pair present, zero when empty."""
+        counts = {(kind, tier): 0 for kind in CacheKind for tier in Tier}
+        for (kind, _), entry in self.entries.items():
+            counts[kind, entry.tier] += entry.num_tokens
+        return counts

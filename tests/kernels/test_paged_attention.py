@@ -1,0 +1,55 @@
+"""The paged attention paths against plain causal attention over the gathered context."""
+
+import pytest
+import torch
+
+from nebula_engine.kernels.attention import (AttentionMetadata, TorchPagedAttention, causal_attention,
+                                             decode_attention, gather_kv)
+
+PAGE_SIZE = 4
+
+
+def _cache(num_pages, num_kv_heads, head_dim, v_head_dim, generator):
+    k = torch.randn(num_pages, PAGE_SIZE, num_kv_heads, head_dim, generator=generator)
+    v = torch.randn(num_pages, PAGE_SIZE, num_kv_heads, v_head_dim, generator=generator)
+    return k, v
+
+
+@pytest.mark.parametrize("pages", [[3, 4, 5], [7, 2, 3, 9], [5], [1, 0, 6, 7, 8], [9, 7, 5, 3, 1, 2], [0, 1, 2, 3, 4, 9, 5, 6, 7, 8, 10]])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,v_head_dim", [(4, 4, 8, 8), (8, 2, 16, 8), (6, 1, 12, 20)])
+def test_decode_attention_matches_gathered_causal_attention(pages, heads, kv_heads, head_dim, v_head_dim):
+    generator = torch.Generator().manual_seed(len(pages) * 100 + heads)
+    k_cache, v_cache = _cache(12, kv_heads, head_dim, v_head_dim, generator)
+    length = len(pages) * PAGE_SIZE - 1  # last page partly filled: its tail must be ignored
+    q = torch.randn(1, heads, head_dim, generator=generator)
+    block_table = torch.tensor(pages)
+    meta = AttentionMetadata([0, 1], [length], block_table[None], None, PAGE_SIZE)
+
+    ours = decode_attention(q, k_cache, v_cache, meta.page_runs[0], length, scale=0.3)
+
+    k, v = gather_kv(k_cache, v_cache, block_table, length)
+    torch.testing.assert_close(ours, causal_attention(q, k, v, scale=0.3), atol=1e-5, rtol=1e-5)
+
+
+def test_page_runs_split_at_gaps_and_cover_only_the_context():
+    tables = torch.tensor([[4, 5, 6, 0, 0], [9, 2, 3, 7, 8]])
+    meta = AttentionMetadata([0, 1, 2], [9, 17], tables, None, PAGE_SIZE)
+    assert meta.page_runs == [[(4, 3)], [(9, 1), (2, 2), (7, 2)]]
+
+
+def test_backend_decode_rows_match_prefill_rows_of_one_longer_pass():
+    """Decode through the backend equals the last row of a full causal pass over the same tokens."""
+    generator = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, length = 4, 2, 8, 11
+    q = torch.randn(length, heads, dim, generator=generator)
+    k = torch.randn(length, kv_heads, dim, generator=generator)
+    v = torch.randn(length, kv_heads, dim, generator=generator)
+    k_cache, v_cache = torch.zeros(8, PAGE_SIZE, kv_heads, dim), torch.zeros(8, PAGE_SIZE, kv_heads, dim)
+    block_table = torch.tensor([[6, 1, 2]])
+    slots = torch.tensor([block_table[0, i // PAGE_SIZE] * PAGE_SIZE + i % PAGE_SIZE for i in range(length)])
+    backend = TorchPagedAttention()
+    prefill = AttentionMetadata([0, length - 1], [length - 1], block_table, slots[:-1], PAGE_SIZE)
+    backend.forward(q[:-1], k[:-1], v[:-1], (k_cache, v_cache), prefill, scale=0.5)
+    decode = AttentionMetadata([0, 1], [length], block_table, slots[-1:], PAGE_SIZE)
+    out = backend.forward(q[-1:], k[-1:], v[-1:], (k_cache, v_cache), decode, scale=0.5)
+    torch.testing.assert_close(out, causal_attention(q, k, v, scale=0.5)[-1:], atol=1e-5, rtol=1e-5)
