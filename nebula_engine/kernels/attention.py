@@ -39,12 +39,15 @@ class AttentionMetadata:
 
     @cached_property
     def page_runs(self) -> list[list[tuple[int, int]]]:
-        """Per sequence, its context pages as runs ``(first page id, num pages)`` of consecutive ids.
-
-        Computed once per forward and shared by every layer: a run is a zero-copy view of the cache.
-        """
+        """Per sequence, its context pages as runs ``(first page id, num pages)`` of consecutive ids."""
         return [_consecutive_runs(row[: -(-length // self.page_size)])
                 for row, length in zip(self.block_tables.tolist(), self.seq_lens)]
+
+    @cached_property
+    def context_plans(self) -> list[ContextPlan]:
+        """Per sequence, how to read its cached context; built once per forward, shared by every layer."""
+        return [ContextPlan.of(runs, length, self.page_size, self.block_tables.device)
+                for runs, length in zip(self.page_runs, self.seq_lens)]
 
     @classmethod
     def dense(cls, query_lens: Sequence[int]) -> AttentionMetadata:
@@ -102,35 +105,48 @@ def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.T
 MIN_VIEW_PAGES = 4  # shorter page runs are gathered together: a matmul per tiny run costs more
 
 
-def _context_chunks(cache: torch.Tensor, runs: list[tuple[int, int]], length: int) -> list[torch.Tensor]:
-    """The first ``length`` cached tokens as [L_i, Hkv, D] pieces: long page runs as views, the rest
-    gathered into one piece. Attention does not depend on key order, only on K and V pieces aligning."""
-    page_size = cache.shape[1]
-    chunks, short_pages, short_tokens, remaining = [], [], 0, length
-    for first, count in runs:
-        tokens = min(count * page_size, remaining)
-        remaining -= tokens
-        if count >= MIN_VIEW_PAGES:
-            chunks.append(cache[first: first + count].flatten(0, 1)[:tokens])
-        else:  # only the context's last page can be partial, and it stays last among the short pages
-            short_pages.extend(range(first, first + count))
-            short_tokens += tokens
-    if short_pages:
-        pages = torch.tensor(short_pages, device=cache.device)
-        chunks.append(cache.index_select(0, pages).flatten(0, 1)[:short_tokens])
-    return chunks
+@dataclass(frozen=True)
+class ContextPlan:
+    """How to read one sequence's cached context: long page runs in place as views, the pages of
+    short runs gathered into one piece. Attention does not depend on key order, only on K and V
+    pieces aligning."""
+
+    views: tuple[tuple[int, int, int], ...]  # (first page, num pages, tokens) of each long run
+    gathered_pages: torch.Tensor | None  # page ids of the short runs, in order
+    gathered_tokens: int
+
+    @classmethod
+    def of(cls, runs: list[tuple[int, int]], length: int, page_size: int, device) -> ContextPlan:
+        views, short_pages, short_tokens, remaining = [], [], 0, length
+        for first, count in runs:
+            tokens = min(count * page_size, remaining)
+            remaining -= tokens
+            if count >= MIN_VIEW_PAGES:
+                views.append((first, count, tokens))
+            else:  # only the context's last page can be partial, and it stays last among the short pages
+                short_pages.extend(range(first, first + count))
+                short_tokens += tokens
+        pages = torch.tensor(short_pages, device=device) if short_pages else None
+        return cls(tuple(views), pages, short_tokens)
+
+    def chunks(self, cache: torch.Tensor) -> list[torch.Tensor]:
+        """The context as [L_i, Hkv, D] pieces of ``cache`` [P, S, Hkv, D]."""
+        pieces = [cache[first: first + count].flatten(0, 1)[:tokens] for first, count, tokens in self.views]
+        if self.gathered_pages is not None:
+            pieces.append(cache.index_select(0, self.gathered_pages).flatten(0, 1)[: self.gathered_tokens])
+        return pieces
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     runs: list[tuple[int, int]], length: int, scale: float) -> torch.Tensor:
-    """One query token q [1, H, D] over the first ``length`` cached tokens of a sequence.
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: ContextPlan,
+                     scale: float) -> torch.Tensor:
+    """One query token q [1, H, D] over a sequence's cached context, read as ``plan`` says.
 
     Copying the context out of the pages costs as much as attending over it, so consecutive page
     runs are read in place as views; scores [Hkv, G, L] are concatenated and softmaxed once.
     """
     num_kv_heads = k_cache.shape[2]
     q_grouped = q[0].view(num_kv_heads, -1, q.shape[-1]) * scale  # [Hkv, G, D], G = H / Hkv
-    keys, values = _context_chunks(k_cache, runs, length), _context_chunks(v_cache, runs, length)
+    keys, values = plan.chunks(k_cache), plan.chunks(v_cache)
     scores = torch.cat([torch.matmul(q_grouped, key.permute(1, 2, 0)) for key in keys], dim=-1)
     probs = scores.float().softmax(dim=-1).to(q.dtype)  # [Hkv, G, L]
     out, offset = None, 0
@@ -174,7 +190,7 @@ class TorchPagedAttention(AttentionBackend):
                 kb, vb = k[start:end], v[start:end]
             elif q_len == 1:
                 out[start:end] = decode_attention(q[start:end], kv_cache[0], kv_cache[1],
-                                                  meta.page_runs[b], ctx_len, scale)
+                                                  meta.context_plans[b], scale)
                 continue
             else:
                 kb, vb = gather_kv(kv_cache[0], kv_cache[1], meta.block_tables[b], ctx_len)

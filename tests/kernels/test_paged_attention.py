@@ -25,7 +25,7 @@ def test_decode_attention_matches_gathered_causal_attention(pages, heads, kv_hea
     block_table = torch.tensor(pages)
     meta = AttentionMetadata([0, 1], [length], block_table[None], None, PAGE_SIZE)
 
-    ours = decode_attention(q, k_cache, v_cache, meta.page_runs[0], length, scale=0.3)
+    ours = decode_attention(q, k_cache, v_cache, meta.context_plans[0], scale=0.3)
 
     k, v = gather_kv(k_cache, v_cache, block_table, length)
     torch.testing.assert_close(ours, causal_attention(q, k, v, scale=0.3), atol=1e-5, rtol=1e-5)
