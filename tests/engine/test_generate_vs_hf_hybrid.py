@@ -7,29 +7,13 @@ per-sequence state slots across prefill chunks, decode steps and preemption.
 import pytest
 import torch
 
-from nebula_engine import LLM, SamplingParams
-from tests.engine.test_generate_vs_hf import ENGINE_SETTINGS, NUM_TOKENS, PARAMS, hf_greedy, prompts_for
+from nebula_engine import LLM
+from tests.engine.test_generate_vs_hf import ENGINE_SETTINGS, NUM_TOKENS, PARAMS, hf_greedy
+from tests.engine.test_generate_vs_hf import hf_reference  # noqa: F401  (fixture)
 from tests.model.test_qwen3_5 import _vision_language_checkpoint
 from tests.model_cases import CASES_BY_NAME, HYBRID_AND_MLA_CASES
 
 QWEN3_5_DENSE = CASES_BY_NAME["qwen3_5_linear_full_linear"]
-
-
-@pytest.fixture(scope="module")
-def hf_reference(checkpoint_factory):
-    """Per case: (checkpoint, prompts, HF results), computed once for every test of the case."""
-    cache = {}
-
-    def get(case):
-        if case.name not in cache:
-            checkpoint = checkpoint_factory(case)
-            from nebula_engine.model.config import ModelConfig
-
-            prompts = prompts_for(ModelConfig.from_hf(checkpoint).vocab_size)
-            cache[case.name] = checkpoint, prompts, hf_greedy(checkpoint, prompts)
-        return cache[case.name]
-
-    return get
 
 
 def _tokens(outputs):

@@ -7,12 +7,11 @@ import math
 import pytest
 import torch
 
-from nebula_engine.kernels.attention import AttentionContext
 from nebula_engine.kvcache.spec import KVCacheGroupSpec, MLALatentSpec
 from nebula_engine.model.deepseek_v2 import DeepseekMoE, keep_top_groups
 from nebula_engine.model.loader import load_model
 from nebula_engine.model.mla import MLAttention
-from tests.model.test_logits_vs_hf import _flatten, _hf_model, _random_prompts
+from tests.model.test_logits_vs_hf import _hf_model, assert_varlen_prefill_logits_match_transformers
 from tests.model.test_logits_vs_hf import test_chunked_prefill_through_paged_cache_matches_dense as check_paged
 from tests.model_cases import CASES_BY_NAME, HYBRID_AND_MLA_CASES, checkpoint_factory  # noqa: F401  (fixture)
 
@@ -21,17 +20,8 @@ PROMPT_LENS = [7, 1, 12, 4]
 
 
 @pytest.mark.parametrize("case", DEEPSEEK_CASES, ids=str)
-@torch.no_grad()
 def test_varlen_prefill_logits_match_transformers(case, checkpoint_factory):
-    path = str(checkpoint_factory(case))
-    model, config, _ = load_model(path)
-    prompts = _random_prompts(config.vocab_size, PROMPT_LENS)
-    ids, positions = _flatten(prompts)
-    logits = model.compute_logits(model(ids, positions, AttentionContext.dense(PROMPT_LENS)))
-    reference = torch.cat([_hf_model(path)(p[None]).logits[0] for p in prompts])
-    assert reference.std() > 0.3, "random logits too flat to compare meaningfully"
-    torch.testing.assert_close(logits, reference, atol=1e-4, rtol=1e-4)
-    assert torch.equal(logits.argmax(-1), reference.argmax(-1))
+    assert_varlen_prefill_logits_match_transformers(str(checkpoint_factory(case)), PROMPT_LENS)
 
 
 @pytest.mark.parametrize("case", DEEPSEEK_CASES, ids=str)

@@ -33,21 +33,25 @@ def _flatten(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, positions
 
 
-@pytest.mark.parametrize("case", MODEL_CASES, ids=str)
 @torch.no_grad()
-def test_varlen_prefill_logits_match_transformers(case, checkpoint_factory):
-    path = checkpoint_factory(case)
-    model, config, _ = load_model(str(path))
-    prompts = _random_prompts(config.vocab_size, PROMPT_LENS)
+def assert_varlen_prefill_logits_match_transformers(path: str, prompt_lens: list[int]) -> None:
+    """One varlen batch through our loader and model equals transformers, prompt by prompt (fp32)."""
+    model, config, _ = load_model(path)
+    prompts = _random_prompts(config.vocab_size, prompt_lens)
     ids, positions = _flatten(prompts)
 
-    logits = model.compute_logits(model(ids, positions, AttentionContext.dense(PROMPT_LENS)))
-    reference = torch.cat([_hf_model(str(path))(p[None]).logits[0] for p in prompts])
+    logits = model.compute_logits(model(ids, positions, AttentionContext.dense(prompt_lens)))
+    reference = torch.cat([_hf_model(path)(p[None]).logits[0] for p in prompts])
 
-    assert logits.dtype == torch.float32 and logits.shape == (sum(PROMPT_LENS), config.vocab_size)
+    assert logits.dtype == torch.float32 and logits.shape == (sum(prompt_lens), config.vocab_size)
     assert reference.std() > 0.3, "random logits too flat to compare meaningfully"
     torch.testing.assert_close(logits, reference, atol=1e-4, rtol=1e-4)
     assert torch.equal(logits.argmax(-1), reference.argmax(-1))
+
+
+@pytest.mark.parametrize("case", MODEL_CASES, ids=str)
+def test_varlen_prefill_logits_match_transformers(case, checkpoint_factory):
+    assert_varlen_prefill_logits_match_transformers(str(checkpoint_factory(case)), PROMPT_LENS)
 
 
 def _paged_context(model, num_pages: int, page_size: int) -> list[tuple[torch.Tensor, ...]]:

@@ -14,7 +14,8 @@ from nebula_engine.model.config import ModelConfig
 from nebula_engine.model.gated_deltanet import GatedDeltaNet
 from nebula_engine.model.loader import load_model
 from nebula_engine.model.qwen3_5 import layer_types
-from tests.model.test_logits_vs_hf import _flatten, _hf_model, _random_prompts
+from tests.model.test_logits_vs_hf import (_flatten, _random_prompts,
+                                         assert_varlen_prefill_logits_match_transformers)
 from tests.model_cases import CASES_BY_NAME, HYBRID_AND_MLA_CASES, checkpoint_factory  # noqa: F401  (fixture)
 
 QWEN3_5_CASES = [c for c in HYBRID_AND_MLA_CASES if c.family.startswith("qwen3_5")]
@@ -23,17 +24,8 @@ PROMPT_LENS = [9, 1, 70, 4]  # 70 > the 64-token chunk of the gated delta rule
 
 
 @pytest.mark.parametrize("case", QWEN3_5_CASES, ids=str)
-@torch.no_grad()
 def test_varlen_prefill_logits_match_transformers(case, checkpoint_factory):
-    path = str(checkpoint_factory(case))
-    model, config, _ = load_model(path)
-    prompts = _random_prompts(config.vocab_size, PROMPT_LENS)
-    ids, positions = _flatten(prompts)
-    logits = model.compute_logits(model(ids, positions, AttentionContext.dense(PROMPT_LENS)))
-    reference = torch.cat([_hf_model(path)(p[None]).logits[0] for p in prompts])
-    assert reference.std() > 0.3, "random logits too flat to compare meaningfully"
-    torch.testing.assert_close(logits, reference, atol=1e-4, rtol=1e-4)
-    assert torch.equal(logits.argmax(-1), reference.argmax(-1))
+    assert_varlen_prefill_logits_match_transformers(str(checkpoint_factory(case)), PROMPT_LENS)
 
 
 @pytest.mark.parametrize("case", QWEN3_5_CASES, ids=str)
