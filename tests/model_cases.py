@@ -29,6 +29,7 @@ class ModelCase:
 
 MODEL_CASES: tuple[ModelCase, ...] = (
     ModelCase("mistral_gqa2", "mistral"),
+    ModelCase("mistral_sliding_window6", "mistral", dict(sliding_window=6), seed=7),
     ModelCase("mistral_mqa_hd24_tied", "mistral",
               dict(num_attention_heads=4, num_key_value_heads=1, head_dim=24, tie_word_embeddings=True), seed=1),
     ModelCase("qwen3_gqa2_hd20", "qwen3", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=20), seed=2),

@@ -82,6 +82,7 @@ class AttentionBackend(ABC):
         kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,  # a query sees only the last ``sliding_window`` keys, itself included
     ) -> torch.Tensor:  # [T, H, Dv]
         ...
 
@@ -157,9 +158,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out.reshape(1, q.shape[1], -1)  # [1, H, Dv]
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [Lq, H, D] are the last Lq tokens of the Lk-token context k [Lk, Hkv, D], v [Lk, Hkv, Dv]."""
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     sliding_window: int | None = None) -> torch.Tensor:
+    """q [Lq, H, D] are the last Lq tokens of the Lk-token context k [Lk, Hkv, D], v [Lk, Hkv, Dv].
+
+    With ``sliding_window`` W, the query at position i sees keys i-W < j <= i (transformers' convention).
+    """
     lq, lk = q.shape[0], k.shape[0]
+    if sliding_window is not None and lk > sliding_window:
+        return _windowed_attention(q, k, v, scale, sliding_window)
     # [1, H, L, D]: the 4-D layout takes SDPA's fused kernels; enable_gqa shares K/V across heads without copies
     qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
     gqa = kh.shape[1] != qh.shape[1]
@@ -174,12 +181,22 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return out[0].transpose(0, 1)
 
 
+def _windowed_attention(q, k, v, scale: float, window: int) -> torch.Tensor:
+    lq, lk = q.shape[0], k.shape[0]
+    qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    causal = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+    mask = causal & torch.ones_like(causal).triu(lk - lq - window + 1)
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
+                                         enable_gqa=kh.shape[1] != qh.shape[1])
+    return out[0].transpose(0, 1)
+
+
 class TorchPagedAttention(AttentionBackend):
     """Reference backend: scatter new K/V into pages; decode reads pages in place, prefill gathers + SDPA."""
 
     name = "torch"
 
-    def forward(self, q, k, v, kv_cache, meta, scale):
+    def forward(self, q, k, v, kv_cache, meta, scale, sliding_window=None):
         if kv_cache is not None and meta.slot_mapping is not None:
             write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
         out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
@@ -188,13 +205,13 @@ class TorchPagedAttention(AttentionBackend):
             q_len, ctx_len = end - start, meta.seq_lens[b]
             if q_len == ctx_len or kv_cache is None:
                 kb, vb = k[start:end], v[start:end]
-            elif q_len == 1:
+            elif q_len == 1 and (sliding_window is None or ctx_len <= sliding_window):
                 out[start:end] = decode_attention(q[start:end], kv_cache[0], kv_cache[1],
                                                   meta.context_plans[b], scale)
                 continue
             else:
                 kb, vb = gather_kv(kv_cache[0], kv_cache[1], meta.block_tables[b], ctx_len)
-            out[start:end] = causal_attention(q[start:end], kb, vb, scale)
+            out[start:end] = causal_attention(q[start:end], kb, vb, scale, sliding_window)
         return out
 
 
@@ -220,9 +237,9 @@ class AttentionContext:
     kv_caches: Sequence[tuple[torch.Tensor, ...]] | None = None
     mla_backend: MLAAttentionBackend | None = None
 
-    def attend(self, layer_idx: int, q, k, v, scale: float) -> torch.Tensor:
+    def attend(self, layer_idx: int, q, k, v, scale: float, sliding_window: int | None = None) -> torch.Tensor:
         cache = self.kv_caches[layer_idx] if self.kv_caches is not None else None
-        return self.backend.forward(q, k, v, cache, self.meta, scale)
+        return self.backend.forward(q, k, v, cache, self.meta, scale, sliding_window)
 
     def attend_latent(self, layer_idx: int, q_nope, q_pe, latent, k_pe, params: MLAParams) -> torch.Tensor:
         """MLA: q_nope [T, H, Dn], q_pe [T, H, Dr], c̃ [T, R], k_pe [T, Dr] -> [T, H, Dv] (see mla_attention)."""

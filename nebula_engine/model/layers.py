@@ -43,9 +43,10 @@ class RopeAttention(nn.Module):
     """
 
     def __init__(self, config: ModelConfig, attn_layer_idx: int, qk_norm: bool = False, output_gate: bool = False,
-                 zero_centered_norm: bool = False):
+                 zero_centered_norm: bool = False, sliding_window: int | None = None):
         super().__init__()
         self.attn_layer_idx = attn_layer_idx
+        self.sliding_window = sliding_window
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = self.v_head_dim = config.head_dim
@@ -74,7 +75,7 @@ class RopeAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q), self.rotary(positions, k)
-        out = attn_ctx.attend(self.attn_layer_idx, q, k, v, self.scale).flatten(1)  # [T, H*D]
+        out = attn_ctx.attend(self.attn_layer_idx, q, k, v, self.scale, self.sliding_window).flatten(1)  # [T, H*D]
         if self.output_gate:
             out = out * torch.sigmoid(gate.flatten(1))
         return self.o_proj(out)

@@ -53,3 +53,19 @@ def test_backend_decode_rows_match_prefill_rows_of_one_longer_pass():
     decode = AttentionMetadata([0, 1], [length], block_table, slots[-1:], PAGE_SIZE)
     out = backend.forward(q[-1:], k[-1:], v[-1:], (k_cache, v_cache), decode, scale=0.5)
     torch.testing.assert_close(out, causal_attention(q, k, v, scale=0.5)[-1:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("q_len,ctx_len,window", [(9, 9, 4), (3, 11, 5), (1, 11, 5), (4, 6, 8)])
+def test_sliding_window_sees_only_the_last_window_keys(q_len, ctx_len, window):
+    """Query at position i attends to keys i-W < j <= i, checked against softmax written out per query."""
+    generator = torch.Generator().manual_seed(q_len * 31 + ctx_len)
+    q = torch.randn(q_len, 4, 8, generator=generator)
+    k = torch.randn(ctx_len, 2, 8, generator=generator)
+    v = torch.randn(ctx_len, 2, 6, generator=generator)
+    ours = causal_attention(q, k, v, scale=0.4, sliding_window=window)
+    for row in range(q_len):
+        position = ctx_len - q_len + row
+        keys = range(max(0, position - window + 1), position + 1)
+        k_seen, v_seen = k[list(keys)].repeat_interleave(2, 1), v[list(keys)].repeat_interleave(2, 1)
+        probs = (torch.einsum("hd,lhd->hl", q[row], k_seen) * 0.4).softmax(-1)
+        torch.testing.assert_close(ours[row], torch.einsum("hl,lhd->hd", probs, v_seen), atol=1e-5, rtol=1e-5)
