@@ -165,29 +165,20 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     With ``sliding_window`` W, the query at position i sees keys i-W < j <= i (transformers' convention).
     """
     lq, lk = q.shape[0], k.shape[0]
-    if sliding_window is not None and lk > sliding_window:
-        return _windowed_attention(q, k, v, scale, sliding_window)
+    windowed = sliding_window is not None and lk > sliding_window
     # [1, H, L, D]: the 4-D layout takes SDPA's fused kernels; enable_gqa shares K/V across heads without copies
     qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
     gqa = kh.shape[1] != qh.shape[1]
-    if lq == lk:
+    if lq == lk and not windowed:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
-    elif lq == 1:
+    elif lq == 1 and not windowed:
         out = F.scaled_dot_product_attention(qh, kh, vh, scale=scale, enable_gqa=gqa)
     else:
-        # query i sits at absolute position lk - lq + i and sees keys 0..lk-lq+i
+        # query i sits at absolute position lk - lq + i and sees keys 0..lk-lq+i (the last W of them if windowed)
         mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+        if windowed:
+            mask &= torch.ones_like(mask).triu(lk - lq - sliding_window + 1)
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
-    return out[0].transpose(0, 1)
-
-
-def _windowed_attention(q, k, v, scale: float, window: int) -> torch.Tensor:
-    lq, lk = q.shape[0], k.shape[0]
-    qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-    causal = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
-    mask = causal & torch.ones_like(causal).triu(lk - lq - window + 1)
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
-                                         enable_gqa=kh.shape[1] != qh.shape[1])
     return out[0].transpose(0, 1)
 
 
