@@ -73,5 +73,6 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         while len(results) < len(request_ids):
             for output in engine.step():
-                results[output.request_id] = output
+                if output.finished:
+                    results[output.request_id] = output
         return [results[i] for i in request_ids]

@@ -102,8 +102,18 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def abort_request(self, request_id: str) -> bool:
+        """Stop ``request_id`` now; False if it is unknown or already finished."""
+        seq = self._sequences.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.abort(seq)
+        self.output_processor.discard(request_id)
+        return True
+
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; returns the requests that finished in it."""
+        """Run one scheduled batch; returns a ``RequestOutput`` (cumulative so far) for every request that
+        got a token in it, ``finished`` set on those that stopped."""
         output = self.scheduler.schedule()
         if output.is_empty:
             if self.scheduler.has_unfinished():
@@ -111,12 +121,14 @@ class LLMEngine:
             return []
         result = self.model_runner.execute_model(output)
         self.scheduler.advance(output)
-        finished = []
+        outputs = []
         for seq_id, token_id, logprob in zip(result.seq_ids, result.sampled.token_ids, result.sampled.logprobs):
             seq = self._sequences[seq_id]
             seq.append_token(token_id, logprob)
             decision = self.output_processor.process_token(seq)
             if decision is not None:
                 self.scheduler.finish(seq, decision.finish_reason, decision.stop_reason)
-                finished.append(self.output_processor.finish(self._sequences.pop(seq_id)))
-        return finished
+                outputs.append(self.output_processor.finish(self._sequences.pop(seq_id)))
+            else:
+                outputs.append(self.output_processor.snapshot(seq))
+        return outputs

@@ -45,12 +45,25 @@ class OutputProcessor:
             return StopDecision("length")
         return None
 
+    def snapshot(self, seq: Sequence) -> RequestOutput:
+        """``seq`` so far (cumulative text and tokens), not finished: what a stream reports each step."""
+        return self._output(seq, self._detokenizers[seq.seq_id].text, finished=False)
+
     def finish(self, seq: Sequence) -> RequestOutput:
-        text = self._detokenizers.pop(seq.seq_id).text
+        return self._output(seq, self._detokenizers.pop(seq.seq_id).text, finished=True)
+
+    def discard(self, seq_id: str) -> None:
+        self._detokenizers.pop(seq_id, None)
+
+    @staticmethod
+    def _output(seq: Sequence, text: str, finished: bool) -> RequestOutput:
         completion = CompletionOutput(0, text, seq.output_token_ids, list(seq.output_logprobs),
                                       seq.finish_reason, seq.stop_reason)
-        return RequestOutput(seq.seq_id, seq.prompt, seq.prompt_token_ids, [completion], finished=True,
-                             num_cached_tokens=seq.num_cached_tokens)
+        return RequestOutput(seq.seq_id, seq.prompt, seq.prompt_token_ids, [completion], finished=finished,
+                             num_cached_tokens=seq.num_prefix_cached_tokens + seq.num_pic_cached_tokens,
+                             num_prefix_cached_tokens=seq.num_prefix_cached_tokens,
+                             num_pic_cached_tokens=seq.num_pic_cached_tokens,
+                             num_recomputed_tokens=seq.num_recomputed_tokens)
 
 
 def find_stop_string(text: str, num_new_chars: int, stops: tuple[str, ...]) -> tuple[str, int] | None:

@@ -22,4 +22,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
-    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens whose K/V was reused: prefix cache + PIC store
+    num_prefix_cached_tokens: int = 0  # part of num_cached_tokens: the prefix cache (exact)
+    num_pic_cached_tokens: int = 0  # part of num_cached_tokens: PIC segments reused at a new position
+    num_recomputed_tokens: int = 0  # PIC-reused tokens the backend recomputed anyway (combine prefill)

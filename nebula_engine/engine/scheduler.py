@@ -133,7 +133,7 @@ class Scheduler:
             return
         seq.num_computed_tokens = self.prefix_cache.match_prefix(seq.seq_id, seq.token_ids)
         if seq.num_preemptions == 0:
-            seq.num_cached_tokens = seq.num_computed_tokens
+            seq.num_prefix_cached_tokens = seq.num_computed_tokens
 
     def _undo_match(self, seq: Sequence) -> None:
         if self.prefix_cache is not None:
@@ -151,6 +151,17 @@ class Scheduler:
             entry.seq.num_computed_tokens += entry.num_new_tokens
             if self.prefix_cache is not None:  # full pages become reusable as soon as they are computed
                 self.prefix_cache.cache_pages(entry.seq_id, entry.seq.token_ids, entry.seq.num_computed_tokens)
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop ``seq`` wherever it is; its pages go back to the pool (cached ones stay cached)."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq in self.running:
+            self.running.remove(seq)
+            self.kv_cache.free(seq.seq_id)
+            self._finished_seq_ids.append(seq.seq_id)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = "abort"
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         seq.status = SequenceStatus.FINISHED

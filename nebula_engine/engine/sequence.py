@@ -24,7 +24,9 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling_params = sampling_params
         self.num_computed_tokens = 0
-        self.num_cached_tokens = 0  # tokens found in the prefix cache at first admission
+        self.num_prefix_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
+        self.num_pic_cached_tokens = 0  # prompt tokens taken from the PIC store (combine prefill)
+        self.num_recomputed_tokens = 0  # of those, the ones the PIC backend recomputed
         self.status = SequenceStatus.WAITING
         self.output_logprobs: list[float] = []
         self.finish_reason: str | None = None
@@ -34,6 +36,10 @@ class Sequence:
     def __repr__(self) -> str:
         return (f"Sequence({self.seq_id!r}, {self.status.value}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens})")
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.num_prefix_cached_tokens + self.num_pic_cached_tokens
 
     @property
     def num_tokens(self) -> int:
