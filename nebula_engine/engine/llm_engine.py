@@ -22,6 +22,9 @@ from nebula_engine.kvcache.pool import KVCacheManager, KVCacheStorage, num_pages
 from nebula_engine.kvcache.prefix_caching import PrefixCachingKVCacheManager
 from nebula_engine.kvcache.tiers import TierConfig
 from nebula_engine.model.loader import load_model
+from nebula_engine.pic.segments import SegmentedPrompt
+
+DEFAULT_BACKEND = object()  # add_request: use the engine's PIC backend
 
 logger = logging.getLogger(__name__)
 
@@ -89,10 +92,14 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int] | SegmentedPrompt, params: SamplingParams,
+                    prompt: str | None = None, pic_backend: str | None | object = DEFAULT_BACKEND) -> None:
+        """Queue a request. A ``SegmentedPrompt`` (``tokenizer.segment_prompt`` / ``segment_chat``) marks its PIC
+        segments; ``pic_backend`` overrides the engine's for this request (None: no PIC, same token ids)."""
         if request_id in self._sequences:
             raise ValueError(f"request id {request_id!r} is already in use")
+        segmented = prompt_token_ids if isinstance(prompt_token_ids, SegmentedPrompt) else None
+        prompt_token_ids = list(segmented.token_ids) if segmented is not None else prompt_token_ids
         self.validate_request(prompt_token_ids, params)
         seq = Sequence(request_id, prompt_token_ids, params, prompt)
         self._sequences[request_id] = seq

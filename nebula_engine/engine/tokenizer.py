@@ -23,6 +23,28 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=True))
 
+    def encode_plain(self, text: str) -> list[int]:
+        """``text`` alone, no special tokens: how each ``<pic>`` segment is tokenized."""
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+    @property
+    def prompt_prefix_ids(self) -> list[int]:
+        """Special tokens ``encode`` puts before any text (BOS for Mistral, none for Qwen)."""
+        return list(self.hf.encode("", add_special_tokens=True))
+
+    def segment_prompt(self, text: str):
+        """A completion prompt with ``<pic>`` tags -> ``SegmentedPrompt`` (``PICSyntaxError`` on bad tags)."""
+        from nebula_engine.pic.segments import segment_prompt
+
+        prefix = self.prompt_prefix_ids
+        return segment_prompt(text, self.encode_plain, prefix[0] if len(prefix) == 1 else None)
+
+    def segment_chat(self, messages: list[Message]):
+        """A conversation whose contents may carry ``<pic>`` tags -> ``SegmentedPrompt``."""
+        from nebula_engine.pic.segments import segment_chat
+
+        return segment_chat(messages, lambda m: self.apply_chat_template(m)[0], self.encode_plain)
+
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
