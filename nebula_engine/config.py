@@ -58,6 +58,9 @@ class EngineConfig:
     device: str = "cpu"
     attention_backend: str = "torch"
     seed: int = 0  # seeds requests that carry no seed of their own
+    # PIC backend spec for prompts with <pic> segments: "auto" (hypic for hybrid models, else epic), a name
+    # ("full", "naive", "epic", "cacheblend", "a3", "hypic"), "name:option=value,...", or None (PIC off)
+    pic_backend: str | None = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -6,12 +6,16 @@ import itertools
 from typing import Any, Sequence, Union
 
 from nebula_engine.config import EngineConfig
-from nebula_engine.engine.llm_engine import LLMEngine
+from nebula_engine.engine.llm_engine import DEFAULT_BACKEND, LLMEngine
 from nebula_engine.engine.outputs import RequestOutput
 from nebula_engine.engine.sampling_params import SamplingParams
 from nebula_engine.engine.tokenizer import Message
+from nebula_engine.pic.segments import SegmentedPrompt, segment_token_lists
 
-PromptType = Union[str, dict[str, Any]]  # text, or {"prompt_token_ids": [...]}
+# text (``<pic>...</pic>`` marks PIC segments), {"prompt_token_ids": [...]}, or explicit segments
+# {"segments": [("regular" | "pic", [token ids]), ...]} (benchmarks)
+PromptType = Union[str, dict[str, Any]]
+_TAGS = ("<pic>", "</pic>")
 
 
 class LLM:
@@ -19,7 +23,11 @@ class LLM:
 
     ``options`` are any field of ``EngineConfig`` / ``CacheConfig`` / ``SchedulerConfig``
     (``page_size``, ``num_pages``, ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``,
-    ``attention_backend``, ``seed``, ...).
+    ``attention_backend``, ``seed``, ``pic_backend``, ...).
+
+    ``pic_backend`` ("auto" by default) combines the ``<pic>`` segments of prompts; None turns PIC off while
+    keeping the same per-segment tokenization, so the token ids never depend on it. ``generate`` and ``chat``
+    take a ``pic_backend`` override for their requests.
     """
 
     def __init__(self, model: str, **options: Any):
@@ -30,27 +38,42 @@ class LLM:
         return self.llm_engine.tokenizer.hf
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 pic_backend: str | None | object = DEFAULT_BACKEND) -> list[RequestOutput]:
         """One ``RequestOutput`` per prompt, in input order. Invalid input raises ValueError first."""
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         requests = [self._tokenize(p) for p in prompts]
-        return self._run(requests, self._params_per_prompt(sampling_params, len(requests)))
+        return self._run(requests, self._params_per_prompt(sampling_params, len(requests)), pic_backend)
 
     def chat(self, messages: list[Message] | list[list[Message]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             pic_backend: str | None | object = DEFAULT_BACKEND) -> list[RequestOutput]:
         """Apply the chat template to one conversation (a list of messages) or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if not conversations:
             raise ValueError("no conversation given")
-        requests = [self.llm_engine.tokenizer.apply_chat_template(c) for c in conversations]
-        return self._run(requests, self._params_per_prompt(sampling_params, len(requests)))
+        requests = [self._tokenize_chat(c) for c in conversations]
+        return self._run(requests, self._params_per_prompt(sampling_params, len(requests)), pic_backend)
 
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def _tokenize_chat(self, conversation: list[Message]) -> tuple[str | None, list[int] | SegmentedPrompt]:
+        tokenizer = self.llm_engine.tokenizer
+        tagged = any(isinstance(m.get("content"), str) and any(t in m["content"] for t in _TAGS)
+                     for m in conversation)
+        if tagged:
+            return None, tokenizer.segment_chat(conversation)
+        return tokenizer.apply_chat_template(conversation)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int] | SegmentedPrompt]:
+        tokenizer = self.llm_engine.tokenizer
         if isinstance(prompt, str):
-            return prompt, self.llm_engine.tokenizer.encode(prompt)
+            if any(tag in prompt for tag in _TAGS):
+                return prompt, tokenizer.segment_prompt(prompt)
+            return prompt, tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        raise ValueError(f"a prompt is a string or a dict with 'prompt_token_ids', got {prompt!r:.80}")
+        if isinstance(prompt, dict) and "segments" in prompt:
+            return prompt.get("prompt"), segment_token_lists(prompt["segments"])
+        raise ValueError(f"a prompt is a string or a dict with 'prompt_token_ids' or 'segments', got {prompt!r:.80}")
 
     @staticmethod
     def _params_per_prompt(params, count: int) -> list[SamplingParams]:
@@ -63,16 +86,23 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling params for {count} prompts")
         return params
 
-    def _run(self, requests: list[tuple[str | None, list[int]]], params: list[SamplingParams]) -> list[RequestOutput]:
+    def _run(self, requests: list[tuple[str | None, list[int] | SegmentedPrompt]], params: list[SamplingParams],
+             pic_backend: str | None | object = DEFAULT_BACKEND) -> list[RequestOutput]:
         engine = self.llm_engine
-        for (_, token_ids), p in zip(requests, params):
-            engine.validate_request(token_ids, p)  # all of them before any is scheduled
+        for (_, prompt), p in zip(requests, params):  # all of them before any is scheduled
+            engine.validate_request(list(prompt.token_ids) if isinstance(prompt, SegmentedPrompt) else prompt, p)
+        engine.resolve_request_backend(pic_backend)
         request_ids = [str(next(self._request_counter)) for _ in requests]
-        for request_id, (text, token_ids), p in zip(request_ids, requests, params):
-            engine.add_request(request_id, token_ids, p, prompt=text)
+        for request_id, (text, prompt), p in zip(request_ids, requests, params):
+            engine.add_request(request_id, prompt, p, prompt=text, pic_backend=pic_backend)
         results: dict[str, RequestOutput] = {}
-        while len(results) < len(request_ids):
-            for output in engine.step():
-                if output.finished:
-                    results[output.request_id] = output
+        try:
+            while len(results) < len(request_ids):
+                for output in engine.step():
+                    if output.finished:
+                        results[output.request_id] = output
+        except BaseException:
+            for request_id in request_ids:  # leave the engine idle, whatever failed
+                engine.abort_request(request_id)
+            raise
         return [results[i] for i in request_ids]

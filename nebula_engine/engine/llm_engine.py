@@ -9,6 +9,7 @@ import torch
 from nebula_engine.config import EngineConfig, ModelConfig
 from nebula_engine.engine.model_runner import ModelRunner
 from nebula_engine.engine.output_processor import OutputProcessor
+from nebula_engine.engine.pic_executor import PICExecutor
 from nebula_engine.engine.outputs import RequestOutput
 from nebula_engine.engine.sampler import Sampler
 from nebula_engine.engine.sampling_params import SamplingParams
@@ -22,6 +23,7 @@ from nebula_engine.kvcache.pool import KVCacheManager, KVCacheStorage, num_pages
 from nebula_engine.kvcache.prefix_caching import PrefixCachingKVCacheManager
 from nebula_engine.kvcache.tiers import TierConfig
 from nebula_engine.model.loader import load_model
+from nebula_engine.pic.backends import PICBackend, resolve_pic_backend
 from nebula_engine.pic.segments import SegmentedPrompt
 
 DEFAULT_BACKEND = object()  # add_request: use the engine's PIC backend
@@ -42,30 +44,42 @@ class LLMEngine:
         num_pages = config.cache.num_pages or num_pages_for_budget(
             groups, page_size, config.cache.kv_cache_memory_bytes, num_state_slots)
         self.max_model_len = self._max_model_len(self.model_config, num_pages * page_size)
+        self.pic_backend = resolve_pic_backend(config.pic_backend, model)
         self.scheduler = Scheduler(config.scheduler, self._kv_cache_manager(num_pages, num_state_slots))
         self.model_runner = ModelRunner(model, KVCacheStorage(groups, num_pages, page_size, config.device,
                                                               num_state_slots),
                                         get_attention_backend(config.attention_backend),
                                         Sampler(config.seed, config.device), config.device)
-        if self.scheduler.prefix_cache is not None:
-            self.scheduler.prefix_cache.cache.page_io = StoragePageIO(self.model_runner.kv_storage)
+        kv_cache = self.scheduler.kv_cache
+        self.cache_store = kv_cache.cache if isinstance(kv_cache, PrefixCachingKVCacheManager) else None
+        if self.cache_store is not None:
+            self.cache_store.page_io = StoragePageIO(self.model_runner.kv_storage)
+            prefix = self.tokenizer.prompt_prefix_ids
+            self.model_runner.pic_executor = PICExecutor(
+                model, self.model_runner.kv_storage, self.cache_store, self.model_runner.attention_backend,
+                self.model_runner.mla_backend, self._model_id(), prefix[0] if len(prefix) == 1 else None)
         self.output_processor = OutputProcessor(self.tokenizer, self._eos_token_ids(), self.max_model_len)
         self._sequences: dict[str, Sequence] = {}
 
+    def _model_id(self) -> str:
+        return f"{self.config.model}:{self.config.dtype}"
+
     def _kv_cache_manager(self, num_pages: int, num_state_slots: int) -> KVCacheManager:
+        """Prefix caching and the PIC store share one ``CacheStore``; models with linear-attention layers get
+        only the PIC store (their state summarises the whole prefix and cannot be split into pages)."""
         cache = self.config.cache
+        prefix_matching = cache.enable_prefix_caching and not num_state_slots
         if cache.enable_prefix_caching and num_state_slots:
-            # a linear-attention state summarises the whole prefix: it cannot be split into pages
             logger.warning("prefix caching disabled: %r has linear-attention layers", self.model_config.model_type)
-        elif cache.enable_prefix_caching:
-            store = CacheStoreConfig(cache.worker_id, f"{self.config.model}:{self.config.dtype}",
-                                     cache.eviction_policy, cache.pc_share)
-            tiers = None
-            if cache.host_cache_tokens or cache.disk_cache_tokens:
-                tiers = TierConfig(cache.host_cache_tokens, cache.disk_cache_tokens, cache.disk_cache_path,
-                                   cache.demote_on_evict)
-            return PrefixCachingKVCacheManager(num_pages, cache.page_size, store_config=store, tiers=tiers)
-        return KVCacheManager(num_pages, cache.page_size, num_state_slots)
+        if not prefix_matching and self.pic_backend is None:
+            return KVCacheManager(num_pages, cache.page_size, num_state_slots)
+        store = CacheStoreConfig(cache.worker_id, self._model_id(), cache.eviction_policy, cache.pc_share)
+        tiers = None
+        if cache.host_cache_tokens or cache.disk_cache_tokens:
+            tiers = TierConfig(cache.host_cache_tokens, cache.disk_cache_tokens, cache.disk_cache_path,
+                               cache.demote_on_evict)
+        return PrefixCachingKVCacheManager(num_pages, cache.page_size, num_state_slots, store_config=store,
+                                           tiers=tiers, enable_prefix_matching=prefix_matching)
 
     def _max_model_len(self, model_config: ModelConfig, pool_tokens: int) -> int:
         # a lone sequence must always fit in the pool, or preemption could never make room for it
@@ -101,13 +115,24 @@ class LLMEngine:
         segmented = prompt_token_ids if isinstance(prompt_token_ids, SegmentedPrompt) else None
         prompt_token_ids = list(segmented.token_ids) if segmented is not None else prompt_token_ids
         self.validate_request(prompt_token_ids, params)
-        seq = Sequence(request_id, prompt_token_ids, params, prompt)
+        backend = self.resolve_request_backend(pic_backend) if segmented is not None else None
+        seq = Sequence(request_id, prompt_token_ids, params, prompt, segmented, backend)
         self._sequences[request_id] = seq
         self.output_processor.add(seq)
         self.scheduler.add(seq)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def resolve_request_backend(self, spec) -> PICBackend | None:
+        """The backend a request asked for (``DEFAULT_BACKEND``: the engine's); ValueError if unusable."""
+        if spec is DEFAULT_BACKEND:
+            return self.pic_backend
+        backend = resolve_pic_backend(spec, self.model_runner.model)
+        if backend is not None and self.model_runner.pic_executor is None:
+            raise ValueError("this engine runs without a cache store (prefix caching and PIC both off): "
+                             "it cannot serve a PIC backend")
+        return backend
 
     def abort_request(self, request_id: str) -> bool:
         """Stop ``request_id`` now; False if it is unknown or already finished."""

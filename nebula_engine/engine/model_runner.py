@@ -47,17 +47,19 @@ class ModelRunner:
         self.mla_backend = get_mla_backend(attention_backend.name) if has_latent else None
         self.sampler = sampler
         self.device = torch.device(device)
+        self.pic_executor = None  # engine.pic_executor.PICExecutor when PIC is on: runs combine prefills
 
     @torch.inference_mode()
     def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
         for seq_id in output.finished_seq_ids:
             self.sampler.release(seq_id)
-        hidden = self.forward(output.scheduled)
-        sampling = [s for s in output.scheduled if s.samples]
+        hidden = [self.forward(output.scheduled)] if output.scheduled else []
+        hidden += [self.pic_executor.run(entry) for entry in output.combines]
+        sampling = [s for s in output.scheduled if s.samples] + list(output.combines)
         if not sampling:  # every sequence is mid-prefill
             return ModelRunnerOutput([], SamplerOutput([], []))
         seq_ids = [s.seq_id for s in sampling]
-        logits = self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(torch.cat(hidden))
         return ModelRunnerOutput(seq_ids, self.sampler(logits, seq_ids, [s.seq.sampling_params for s in sampling]))
 
     def forward(self, scheduled: tuple[ScheduledSequence, ...]) -> torch.Tensor:
@@ -80,6 +82,7 @@ class ModelRunner:
 
     def _store_states(self, scheduled: tuple[ScheduledSequence, ...],
                       new_states: list[list[LinearAttentionState]]) -> None:
+        """``new_states`` [L][B] into the slots of ``scheduled``'s sequences."""
         slots = torch.tensor([s.state_slot for s in scheduled], dtype=torch.long, device=self.device)
         for (conv, recurrent), layer_states in zip(self.kv_storage.linear_states, new_states):
             conv.index_copy_(0, slots, torch.stack([state.conv for state in layer_states]).to(conv.dtype))

@@ -38,21 +38,23 @@ class SchedulerOutput:
     scheduled: tuple[ScheduledSequence, ...]
     preempted_seq_ids: tuple[str, ...]
     finished_seq_ids: tuple[str, ...]  # finished since the previous step: drop per-request state
+    combines: tuple[ScheduledSequence, ...] = ()  # whole PIC prompts, each prefilled by its own combine
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.scheduled and not self.combines
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return sum(s.num_new_tokens for s in self.scheduled + self.combines)
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager):
         self.config = config
         self.kv_cache = kv_cache
-        self.prefix_cache = kv_cache if isinstance(kv_cache, PrefixCachingKVCacheManager) else None
+        self.prefix_cache = (kv_cache if isinstance(kv_cache, PrefixCachingKVCacheManager)
+                             and kv_cache.enable_prefix_matching else None)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._finished_seq_ids: list[str] = []
@@ -66,12 +68,13 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
+        combines: list[ScheduledSequence] = []
         preempted: list[str] = []
         budget = self._schedule_running(budget, scheduled, preempted)
         if not preempted:
-            self._schedule_waiting(budget, scheduled)
+            self._schedule_waiting(budget, scheduled, combines)
         finished, self._finished_seq_ids = tuple(self._finished_seq_ids), []
-        return SchedulerOutput(tuple(scheduled), tuple(preempted), finished)
+        return SchedulerOutput(tuple(scheduled), tuple(preempted), finished, tuple(combines))
 
     def _schedule_running(self, budget: int, scheduled: list, preempted: list) -> int:
         index = 0
@@ -103,13 +106,20 @@ class Scheduler:
         seq.reset_for_recompute()
         self.waiting.appendleft(seq)
 
-    def _schedule_waiting(self, budget: int, scheduled: list) -> None:
+    def _schedule_waiting(self, budget: int, scheduled: list, combines: list) -> None:
+        """Admit waiting sequences in order. A PIC prompt is not chunked: its combine prefill needs the whole
+        prompt at once, so it waits for a step with budget for it (or runs alone when it exceeds the budget)."""
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if self._waits_for_cache_io(seq, scheduled):
                 break
             self._match_prefix(seq)
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            combine = seq.needs_combine
+            if combine and remaining > budget and (scheduled or combines):
+                self._undo_match(seq)
+                break
+            num_new = remaining if combine else min(remaining, budget)
             if not self.kv_cache.can_allocate(seq.seq_id, seq.num_computed_tokens + num_new):
                 self._undo_match(seq)  # a waiting sequence holds no pages, so it cannot pin the cache
                 break
@@ -117,7 +127,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            scheduled.append(self._entry(seq, num_new))
+            (combines if combine else scheduled).append(self._entry(seq, num_new))
             budget -= num_new
 
     def _waits_for_cache_io(self, seq: Sequence, scheduled: list) -> bool:
@@ -147,7 +157,7 @@ class Scheduler:
 
     def advance(self, output: SchedulerOutput) -> None:
         """The model ran ``output``: its new tokens now have K/V in the cache."""
-        for entry in output.scheduled:
+        for entry in output.scheduled + output.combines:
             entry.seq.num_computed_tokens += entry.num_new_tokens
             if self.prefix_cache is not None:  # full pages become reusable as soon as they are computed
                 self.prefix_cache.cache_pages(entry.seq_id, entry.seq.token_ids, entry.seq.num_computed_tokens)

@@ -17,8 +17,10 @@ class Sequence:
     """Prompt + generated tokens; ``num_computed_tokens`` of them have K/V in the cache."""
 
     def __init__(self, seq_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 prompt: str | None = None):
+                 prompt: str | None = None, segmented=None, pic_backend=None):
         self.seq_id = seq_id
+        self.segmented = segmented  # SegmentedPrompt with PIC segments, or None
+        self.pic_backend = pic_backend  # PICBackend that combines them, or None (plain prefill)
         self.prompt = prompt
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -36,6 +38,12 @@ class Sequence:
     def __repr__(self) -> str:
         return (f"Sequence({self.seq_id!r}, {self.status.value}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens})")
+
+    @property
+    def needs_combine(self) -> bool:
+        """Its prompt is prefilled by a PIC combine (not after a preemption: then everything is recomputed)."""
+        return (self.pic_backend is not None and self.segmented is not None and self.num_preemptions == 0
+                and bool(self.segmented.pic_segments))
 
     @property
     def num_cached_tokens(self) -> int:

@@ -32,6 +32,9 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None  # [B, max_pages] int64 page ids; None => no cache
     slot_mapping: torch.Tensor | None  # [T] int64 flat slot each new token's K/V is written to
     page_size: int = 0
+    # [T] absolute position of each new token, given only when new tokens are NOT the last ones of their
+    # context (PIC combine prefill recomputes a scattered set of rows): token i then sees keys j <= position i
+    query_positions: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -159,17 +162,25 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                     sliding_window: int | None = None) -> torch.Tensor:
+                     sliding_window: int | None = None, q_positions: torch.Tensor | None = None) -> torch.Tensor:
     """q [Lq, H, D] are the last Lq tokens of the Lk-token context k [Lk, Hkv, D], v [Lk, Hkv, Dv].
 
     With ``sliding_window`` W, the query at position i sees keys i-W < j <= i (transformers' convention).
+    ``q_positions`` [Lq]: the queries sit at these context positions instead (the exact per-row causal mask
+    of PIC's partial recompute).
     """
     lq, lk = q.shape[0], k.shape[0]
     windowed = sliding_window is not None and lk > sliding_window
     # [1, H, L, D]: the 4-D layout takes SDPA's fused kernels; enable_gqa shares K/V across heads without copies
     qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
     gqa = kh.shape[1] != qh.shape[1]
-    if lq == lk and not windowed:
+    if q_positions is not None:
+        keys = torch.arange(lk, device=q.device)
+        mask = keys[None, :] <= q_positions[:, None]
+        if sliding_window is not None:
+            mask &= keys[None, :] > q_positions[:, None] - sliding_window
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    elif lq == lk and not windowed:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
     elif lq == 1 and not windowed:
         out = F.scaled_dot_product_attention(qh, kh, vh, scale=scale, enable_gqa=gqa)
@@ -194,6 +205,11 @@ class TorchPagedAttention(AttentionBackend):
         for b in range(meta.num_seqs):
             start, end = meta.query_start_loc[b], meta.query_start_loc[b + 1]
             q_len, ctx_len = end - start, meta.seq_lens[b]
+            if meta.query_positions is not None:
+                kb, vb = gather_kv(kv_cache[0], kv_cache[1], meta.block_tables[b], ctx_len)
+                out[start:end] = causal_attention(q[start:end], kb, vb, scale, sliding_window,
+                                                  meta.query_positions[start:end])
+                continue
             if q_len == ctx_len or kv_cache is None:
                 kb, vb = k[start:end], v[start:end]
             elif q_len == 1 and (sliding_window is None or ctx_len <= sliding_window):
@@ -210,8 +226,12 @@ _BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchPagedAttention}
 
 
 def get_attention_backend(name: str = "torch") -> AttentionBackend:
+    if name == "flashinfer":  # CUDA only; imported on demand (it builds on this module)
+        from nebula_engine.kernels.flashinfer_backend import FlashInferAttention
+
+        return FlashInferAttention()
     if name not in _BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}")
+        raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS) + ['flashinfer']}")
     return _BACKENDS[name]()
 
 

@@ -75,12 +75,15 @@ def gather_latent(cache: torch.Tensor, block_table: torch.Tensor, length: int) -
 
 
 def decompressed_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
-                           params: MLAParams) -> torch.Tensor:
-    """q [Lq, H, ·] are the last Lq tokens of the L-token context latent [L, R], k_pe [L, Dr] -> [Lq, H, Dv]."""
+                           params: MLAParams, q_positions: torch.Tensor | None = None) -> torch.Tensor:
+    """q [Lq, H, ·] are the last Lq tokens of the L-token context latent [L, R], k_pe [L, Dr] -> [Lq, H, Dv].
+
+    ``q_positions`` [Lq]: the queries sit at these context positions instead (PIC partial recompute)."""
     heads, nope = params.kv_b.shape[0], params.nope_dim
     kv = F.linear(latent, params.kv_b.flatten(0, 1)).view(latent.shape[0], heads, -1)  # [L, H, Dn + Dv]
     k = torch.cat([kv[..., :nope], k_pe[:, None, :].expand(-1, heads, -1)], dim=-1)  # [L, H, Dn + Dr]
-    return causal_attention(torch.cat([q_nope, q_pe], dim=-1), k, kv[..., nope:], params.scale)
+    return causal_attention(torch.cat([q_nope, q_pe], dim=-1), k, kv[..., nope:], params.scale,
+                            q_positions=q_positions)
 
 
 def absorbed_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor,
@@ -105,6 +108,12 @@ class TorchMLAAttention(MLAAttentionBackend):
         for b in range(meta.num_seqs):
             start, end = meta.query_start_loc[b], meta.query_start_loc[b + 1]
             q_len, ctx_len = end - start, meta.seq_lens[b]
+            if meta.query_positions is not None:
+                rows = gather_latent(cache, meta.block_tables[b], ctx_len)
+                ctx_latent, ctx_k_pe = rows.to(latent.dtype).split([params.kv_b.shape[-1], k_pe.shape[-1]], dim=-1)
+                out[start:end] = decompressed_attention(q_nope[start:end], q_pe[start:end], ctx_latent, ctx_k_pe,
+                                                        params, meta.query_positions[start:end])
+                continue
             if q_len == ctx_len or cache is None:
                 out[start:end] = decompressed_attention(q_nope[start:end], q_pe[start:end], latent[start:end],
                                                         k_pe[start:end], params)

@@ -16,8 +16,11 @@ from nebula_engine.kvcache.tiers import TierConfig
 
 class PrefixCachingKVCacheManager(KVCacheManager):
     def __init__(self, num_pages: int, page_size: int, num_state_slots: int = 0,
-                 store_config: CacheStoreConfig = CacheStoreConfig(), tiers: TierConfig | None = None):
+                 store_config: CacheStoreConfig = CacheStoreConfig(), tiers: TierConfig | None = None,
+                 enable_prefix_matching: bool = True):
         super().__init__(num_pages, page_size, num_state_slots)
+        # False: only the PIC store is used (models whose linear-attention state does not split at pages)
+        self.enable_prefix_matching = enable_prefix_matching
         self.cache = CacheStore(self.pool, page_size, store_config, tiers)
         self.pool.reclaimer = self.cache.evict
         self._locked: dict[str, TreeNode] = {}  # seq -> deepest cached node of its prefix (locked)

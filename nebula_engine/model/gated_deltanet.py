@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nebula_engine.kernels.gated_delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from nebula_engine.kernels.pic_ops import gated_delta_transition
 from nebula_engine.kvcache.spec import LinearStateSpec
 
 
@@ -104,13 +105,10 @@ class GatedDeltaNet(nn.Module):
         out = F.conv1d(window[None], self.conv1d.weight, groups=self.cfg.conv_channels)[0]  # [C, T]
         return F.silu(out.t()), window[:, window.shape[1] - (self.cfg.conv_kernel - 1):]
 
-    def forward(self, x: torch.Tensor, state: LinearAttentionState | None = None
-                ) -> tuple[torch.Tensor, LinearAttentionState]:
-        """x [T, Hd] of one sequence -> (out [T, Hd], state after x)."""
+    def _project(self, x: torch.Tensor, conv_state: torch.Tensor):
+        """x [T, Hd] after conv inputs conv_state -> q, k [T, Hv, dk], v [T, Hv, dv], g, beta [T, Hv], new conv state."""
         cfg, tokens = self.cfg, x.shape[0]
-        if state is None:
-            state = self.empty_state(x.dtype)
-        qkv, conv_state = self._conv(self.in_proj_qkv(x), state.conv)
+        qkv, conv_state = self._conv(self.in_proj_qkv(x), conv_state)
         key_dim = cfg.num_k_heads * cfg.head_k_dim
         q, k, v = qkv.split([key_dim, key_dim, cfg.num_v_heads * cfg.head_v_dim], dim=-1)
         group = cfg.num_v_heads // cfg.num_k_heads  # each k-head serves `group` consecutive v-heads
@@ -120,11 +118,30 @@ class GatedDeltaNet(nn.Module):
         v = v.view(tokens, cfg.num_v_heads, cfg.head_v_dim)  # [T, Hv, dv]
         beta = torch.sigmoid(self.in_proj_b(x)).float()  # [T, Hv]
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())  # log-decay
+        return q, k, v, g, beta, conv_state
+
+    def forward(self, x: torch.Tensor, state: LinearAttentionState | None = None
+                ) -> tuple[torch.Tensor, LinearAttentionState]:
+        """x [T, Hd] of one sequence -> (out [T, Hd], state after x)."""
+        cfg, tokens = self.cfg, x.shape[0]
+        if state is None:
+            state = self.empty_state(x.dtype)
+        q, k, v, g, beta, conv_state = self._project(x, state.conv)
         kernel = recurrent_gated_delta_rule if tokens == 1 else self._chunked
         out, recurrent = kernel(q, k, v, g, beta, state.recurrent)  # out [T, Hv, dv]
         z = self.in_proj_z(x).view(tokens, cfg.num_v_heads, cfg.head_v_dim)
         out = self.norm(out.to(x.dtype), z).flatten(1)  # [T, Hv*dv]
         return self.out_proj(out), LinearAttentionState(conv_state, recurrent)
+
+    def transition(self, x: torch.Tensor, conv_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The affine map x [T, Hd] applies to the recurrent state: ``S -> M S + N`` (HYPIC, spec B4).
+
+        M [Hv, dk, dk] is the product of the per-token transitions, N [Hv, dk, dv] the state reached from zero;
+        ``conv_state`` is the conv input before x. Running x from any S equals ``M @ S + N``.
+        """
+        q, k, v, g, beta, _ = self._project(x, conv_state)
+        _, n = self._chunked(q, k, v, g, beta, None)
+        return gated_delta_transition(k, g, beta, self.chunk_size), n
 
     def _chunked(self, q, k, v, g, beta, initial_state):
         return chunk_gated_delta_rule(q, k, v, g, beta, initial_state, chunk_size=self.chunk_size)

@@ -71,3 +71,20 @@ def _token_slots(pages: Sequence[int] | torch.Tensor, num_tokens: int, page_size
         raise ValueError(f"{num_tokens} tokens do not fit in {pages.numel()} pages of {page_size}")
     token = torch.arange(num_tokens, device=device)
     return pages[token // page_size], token % page_size
+
+
+def shift_cached_keys(cache: torch.Tensor, slots: torch.Tensor, delta: Delta, rotary: RotaryEmbedding,
+                      latent_rope_dim: int | None = None) -> None:
+    """In place, the tokens at flat ``slots`` [T] of one layer's key cache, each by its own ``delta``.
+
+    ``cache`` is a K cache [P, S, Hkv, D] (leading rotary dims re-rotated) or, with ``latent_rope_dim`` Dr, an
+    MLA latent cache [P, S, R + Dr] (its last Dr columns, k_pe, re-rotated).
+    """
+    if latent_rope_dim is None:
+        rotary_dim = 2 * rotary.inv_freq.numel()
+        flat = cache.view(-1, *cache.shape[2:])
+        flat[slots, :, :rotary_dim] = shift_keys(flat[slots, :, :rotary_dim], delta, rotary)
+    else:
+        flat = cache.view(-1, cache.shape[-1])
+        k_pe = flat[slots, -latent_rope_dim:]
+        flat[slots, -latent_rope_dim:] = shift_keys(k_pe[:, None, :], delta, rotary)[:, 0]

@@ -112,8 +112,11 @@ def test_hybrid_linear_attention_model_runs_without_prefix_caching(checkpoint_fa
     checkpoint = checkpoint_factory(CASES_BY_NAME["qwen3_5_linear_full_linear"])
     with caplog.at_level(logging.WARNING):
         llm = LLM(str(checkpoint), num_pages=32, page_size=8)
-    assert not isinstance(llm.llm_engine.scheduler.kv_cache, PrefixCachingKVCacheManager)
+    assert llm.llm_engine.scheduler.prefix_cache is None  # the cache store only serves the PIC store
+    assert llm.llm_engine.scheduler.kv_cache.enable_prefix_matching is False
     assert "prefix caching disabled" in caplog.text
+    plain = LLM(str(checkpoint), num_pages=32, page_size=8, pic_backend=None)
+    assert not isinstance(plain.llm_engine.scheduler.kv_cache, PrefixCachingKVCacheManager)
 
 
 

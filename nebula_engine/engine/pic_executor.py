@@ -1,0 +1,128 @@
+"""Runs the PIC prefill of one request on this engine: segment lookup, scatter prefill, combine prefill.
+
+For a request admitted with its whole prompt's pages (the prefix-cache hit already in them):
+1. each PIC segment not covered by the prefix is looked up in the PIC store; a cold one is prefilled alone
+   into fresh pages and stored (if the pool has no room it is computed in the combine instead);
+2. the cached segments' K/V is copied to the request's slots and re-rotated to its positions;
+3. the request's backend runs the combine prefill and returns the last prompt token's hidden state.
+Entries stay locked only while their pages are copied. The request's pages then go to the prefix cache as
+any prefill's do, so a later request with the same prefix reuses the combined KV exactly (paper §4.2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from nebula_engine.engine.scheduler import ScheduledSequence
+from nebula_engine.kernels.attention import AttentionBackend
+from nebula_engine.kernels.mla_attention import MLAAttentionBackend
+from nebula_engine.kvcache.cache_store import CacheStore
+from nebula_engine.kvcache.pic_store import PICEntry, segment_key
+from nebula_engine.kvcache.pool import KVCacheStorage, OutOfPagesError
+from nebula_engine.pic.backends.base import PICBackend, SegmentPrefill
+from nebula_engine.pic.combine import CachedSegment, CombineRun, place_reused_kv
+from nebula_engine.pic.layout import CombineLayout
+
+
+@dataclass
+class PICStats:
+    segment_hits: int = 0
+    segment_misses: int = 0  # prefilled alone here (scatter prefill)
+    segment_skipped: int = 0  # no room to cache: computed in the combine
+    combines: int = 0
+
+
+class PICExecutor:
+    def __init__(self, model: nn.Module, storage: KVCacheStorage, cache: CacheStore,
+                 attention_backend: AttentionBackend, mla_backend: MLAAttentionBackend | None, model_id: str,
+                 bos_token_id: int | None):
+        self.model = model
+        self.storage = storage
+        self.cache = cache
+        self.attention_backend = attention_backend
+        self.mla_backend = mla_backend
+        self.model_id = model_id
+        self.bos_token_id = bos_token_id
+        self.stats = PICStats()
+
+    def segment_key(self, backend: PICBackend, token_ids) -> str:
+        return segment_key(self.model_id, backend.cache_format, list(token_ids))
+
+    @torch.inference_mode()
+    def run(self, entry: ScheduledSequence) -> torch.Tensor:
+        """Prefill ``entry``'s whole prompt after its prefix; returns the last token's hidden state [1, Hd]."""
+        seq, backend = entry.seq, entry.seq.pic_backend
+        segmented, prefix_len, num_tokens = seq.segmented, entry.num_computed_tokens, seq.num_prompt_tokens
+        pic_segments = segmented.pic_segments
+        cached: dict[int, CachedSegment] = {}
+        locked: list[PICEntry] = []
+        try:
+            for index, segment in enumerate(pic_segments):
+                if max(segment.start, prefix_len) >= min(segment.end, num_tokens - 1):
+                    continue  # inside the exact prefix, or only the last token (always computed)
+                found = self.lookup_or_prefill(backend, segmented.segment_ids(segment))
+                if found is not None:
+                    locked.append(found)
+                    cached[index] = CachedSegment(found.pages, found.num_tokens, found.state)
+            layout = CombineLayout.plan(num_tokens, prefix_len, [(s.start, s.length) for s in pic_segments],
+                                        [i in cached for i in range(len(pic_segments))])
+            device = self.storage.layer_caches[0][0].device
+            run = CombineRun(self.model, torch.tensor(seq.token_ids[:num_tokens], device=device), layout,
+                             torch.tensor(entry.block_table, dtype=torch.int64, device=device),
+                             self.storage.page_size, self.storage.layer_caches, self.attention_backend,
+                             self.mla_backend, cached)
+            place_reused_kv(run)
+        finally:
+            for found in locked:
+                self.cache.pic.unlock(found)
+        result = backend.combine(run)
+        if result.linear_states is not None:
+            self._store_linear_states(entry.state_slot, result.linear_states)
+        seq.num_pic_cached_tokens = layout.num_reused
+        seq.num_recomputed_tokens = result.num_recomputed
+        self.stats.combines += 1
+        return result.hidden
+
+    def lookup_or_prefill(self, backend: PICBackend, token_ids) -> PICEntry | None:
+        """The segment's store entry, locked: found (maybe promoted from a lower tier) or prefilled alone now.
+        None when it is cold and the pool has no room for it."""
+        key = self.segment_key(backend, token_ids)
+        found = self.cache.lookup_segment(key, len(token_ids))
+        if found is not None:
+            self.stats.segment_hits += 1
+            return found
+        created = self.prefill_segment(backend, key, token_ids)
+        if created is None:
+            self.stats.segment_skipped += 1
+        else:
+            self.stats.segment_misses += 1
+        return created
+
+    def prefill_segment(self, backend: PICBackend, key: str, token_ids) -> PICEntry | None:
+        """Scatter prefill: compute the segment alone into new pages and store it; the entry comes back locked."""
+        page_size = self.storage.page_size
+        num_pages = -(-len(token_ids) // page_size)
+        scratch = 1 if self.bos_token_id is not None else 0
+        pool = self.cache.pool
+        try:
+            pages = pool.allocate(num_pages + scratch)
+        except OutOfPagesError:
+            return None
+        try:
+            device = self.storage.layer_caches[0][0].device
+            prefill = SegmentPrefill(torch.tensor(list(token_ids), dtype=torch.int64, device=device),
+                                     tuple(pages[:num_pages]), page_size, self.storage.layer_caches,
+                                     self.attention_backend, self.mla_backend, self.bos_token_id,
+                                     pages[num_pages] * page_size if scratch else None)
+            state = backend.prefill_segment(self.model, prefill)
+            return self.cache.insert_segment(key, len(token_ids), pages[:num_pages], state)
+        finally:
+            pool.release(pages)  # the store holds its own reference on the segment's pages
+
+    def _store_linear_states(self, slot: int, states) -> None:
+        for (conv, recurrent), state in zip(self.storage.linear_states, states):
+            conv[slot] = state.conv.to(conv.dtype)
+            recurrent[slot] = state.recurrent.to(recurrent.dtype)

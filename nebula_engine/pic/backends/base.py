@@ -1,0 +1,113 @@
+"""The PIC backend interface: everything algorithm-specific about reusing a segment at a new position.
+
+The engine and the cluster only ever see this interface:
+- ``cache_format``: segments prefilled the same way share store entries (part of the store key);
+- ``prefill_segment``: compute one segment alone into pages, returning the extra state to cache with it;
+- ``combine``: the combine prefill of one request whose reused KV is already placed (``CombineRun``);
+- ``combine_cost``: the planner's estimate of that combine, in prefill-token units.
+
+Every backend states ``exact_settings``: the options under which it must equal plain prefill (the tests check).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, Mapping
+
+import torch
+from torch import nn
+
+from nebula_engine.kernels.attention import AttentionBackend, AttentionContext, AttentionMetadata
+from nebula_engine.kernels.mla_attention import MLAAttentionBackend
+from nebula_engine.pic.combine import CombineResult, CombineRun
+from nebula_engine.pic.layout import CombineLayout
+
+
+class UnsupportedModelError(ValueError):
+    """This backend cannot serve this model (e.g. token-sparse recompute on linear-attention layers)."""
+
+
+def has_linear_attention(model: nn.Module) -> bool:
+    return getattr(model, "num_linear_layers", 0) > 0
+
+
+@dataclass(frozen=True)
+class SegmentPrefill:
+    """Where one segment's isolated prefill writes: its own pages, plus a scratch slot for a dropped BOS."""
+
+    token_ids: torch.Tensor  # [n] int64
+    pages: tuple[int, ...]
+    page_size: int
+    kv_caches: Any  # per attention layer, the pool's tensors
+    attention_backend: AttentionBackend
+    mla_backend: MLAAttentionBackend | None
+    bos_token_id: int | None  # prepended and dropped (CacheBlend's and EPIC's offline encoding), None: no BOS
+    scratch_slot: int | None  # where the BOS K/V goes (discarded); required with a BOS
+
+    def slots(self) -> torch.Tensor:
+        index = torch.arange(self.token_ids.numel(), device=self.token_ids.device)
+        pages = torch.tensor(self.pages, dtype=torch.int64, device=index.device)
+        return pages[index // self.page_size] * self.page_size + index % self.page_size
+
+    def inputs(self) -> tuple[torch.Tensor, torch.Tensor, AttentionContext]:
+        """(input ids, positions, attention context) of the isolated prefill; K/V land in ``pages``."""
+        ids, slots = self.token_ids, self.slots()
+        if self.bos_token_id is not None:
+            ids = torch.cat([ids.new_tensor([self.bos_token_id]), ids])
+            slots = torch.cat([slots.new_tensor([self.scratch_slot]), slots])
+        positions = torch.arange(ids.numel(), device=ids.device)
+        # a wholly new sequence attends to its own fresh K/V: the pages are only written, never read
+        meta = AttentionMetadata(query_start_loc=[0, ids.numel()], seq_lens=[ids.numel()], block_tables=None,
+                                 slot_mapping=slots, page_size=self.page_size)
+        return ids, positions, AttentionContext(self.attention_backend, meta, self.kv_caches, self.mla_backend)
+
+    @property
+    def position_offset(self) -> int:
+        return 0 if self.bos_token_id is None else 1
+
+
+class PICBackend(ABC):
+    """Subclasses are frozen dataclasses whose fields are the algorithm's options."""
+
+    name: ClassVar[str]
+    handles_linear_attention: ClassVar[bool] = False
+    exact_settings: ClassVar[Mapping[str, Any]] = {}  # options under which combine == plain prefill
+
+    @property
+    def spec(self) -> str:
+        """``name:option=value,...``: parses back to an equal backend with ``get_pic_backend``."""
+        options = ",".join(f"{f.name}={_format(getattr(self, f.name))}" for f in fields(self))
+        return f"{self.name}:{options}" if options else self.name
+
+    @property
+    def cache_format(self) -> str:
+        """Backends whose segment entries are computed identically share them (``segment_key``'s backend part)."""
+        return "alone"
+
+    def check_model(self, model: nn.Module) -> None:
+        if has_linear_attention(model) and not self.handles_linear_attention:
+            raise UnsupportedModelError(
+                f"PIC backend {self.name!r} does not support models with linear-attention layers "
+                f"({type(model).__name__}): a recomputed token would need the recurrent state at its own position; "
+                f"use 'hypic'")
+
+    def prefill_segment(self, model: nn.Module, prefill: SegmentPrefill) -> dict[str, Any]:
+        """Compute the segment alone, its K/V written into ``prefill.pages``; returns the state to cache."""
+        ids, positions, ctx = prefill.inputs()
+        model.forward(ids, positions, ctx)
+        return {"position_offset": prefill.position_offset}
+
+    @abstractmethod
+    def combine(self, run: CombineRun) -> CombineResult:
+        """Fill the request's remaining K/V (placed reused KV included) and return the last token's hidden state."""
+
+    @abstractmethod
+    def combine_cost(self, layout: CombineLayout, num_layers: int) -> float:
+        """Estimated combine time in prefill-token units (tokens recomputed through every layer)."""
+
+
+def _format(value: Any) -> str:
+    if isinstance(value, tuple):
+        return "/".join(str(v) for v in value)
+    return str(value)
