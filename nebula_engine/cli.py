@@ -12,11 +12,13 @@ def main() -> None:
 
 
 def _register() -> None:
+    from nebula_engine.bench.commands import bench
     from nebula_engine.cluster.commands import simulate
     from nebula_engine.engine.commands import generate
+    from nebula_engine.server.commands import serve
     from nebula_engine.workloads.commands import analyze
 
-    for command in (generate, analyze, simulate):
+    for command in (generate, analyze, simulate, serve, bench):
         main.add_command(command)
 
 

@@ -1,0 +1,252 @@
+"""``AsyncLLMEngine``: one ``LLMEngine`` driven by a background thread, fed by asyncio code.
+
+Invariants:
+- The loop thread is the only thread that calls into the engine's mutable state (``add_request``,
+  ``abort_request``, ``step``). Callers only read constants set in ``LLMEngine.__init__``
+  (``validate_request``, ``max_model_len``, ``tokenizer``).
+- Callers hand commands over through a deque guarded by a condition variable; the loop thread sleeps on it
+  while the engine is idle, so an idle engine costs nothing and a new request wakes it at once.
+- Each request's outputs are delivered on the caller's own event loop (``call_soon_threadsafe``), in order;
+  the last item is a finished ``RequestOutput`` or an exception, after which the request is forgotten.
+- A failing ``step`` fails every request in the engine with ``EngineError`` (we cannot tell which ones the
+  failed batch held), aborts them so their pages are freed, and the loop keeps serving new requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import AsyncIterator, Union
+
+from nebula_engine.config import EngineConfig
+from nebula_engine.engine.llm_engine import DEFAULT_BACKEND, LLMEngine
+from nebula_engine.engine.outputs import RequestOutput
+from nebula_engine.engine.sampling_params import SamplingParams
+from nebula_engine.engine.tokenizer import Tokenizer
+from nebula_engine.pic.segments import SegmentedPrompt
+
+logger = logging.getLogger(__name__)
+
+EnginePrompt = Union[list[int], SegmentedPrompt]
+
+
+class EngineError(RuntimeError):
+    """The engine failed while serving a request (not the request's fault)."""
+
+
+class EngineDeadError(EngineError):
+    """The engine loop is shut down (or crashed) and accepts no more requests."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Load snapshot published by the loop thread after each step."""
+
+    num_waiting: int = 0  # requests queued, not yet scheduled (includes preempted ones)
+    num_running: int = 0  # requests holding KV pages, prefilling or decoding
+    alive: bool = True  # False once the loop has stopped: no request will be served
+
+
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt: EnginePrompt
+    params: SamplingParams
+    pic_backend: object
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+class _OutputChannel:
+    """Hands items from the loop thread to one request's consumer on its own event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> bool:
+        """False if the consumer's loop is gone (nobody will ever read this)."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # loop closed
+            return False
+        return True
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._wakeup = threading.Condition()
+        self._commands: deque[_Add | _Abort] = deque()  # guarded by _wakeup
+        self._channels: dict[str, _OutputChannel] = {}  # guarded by _wakeup
+        self._in_engine: set[str] = set()  # loop thread only: ids added to the engine, not yet finished
+        self._stopping = False
+        self._dead = False
+        self._stats = EngineStats()
+        self._thread = threading.Thread(target=self._run, name="nebula-engine-loop", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
+        return cls(LLMEngine(config))
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    async def generate(self, request_id: str, prompt: EnginePrompt, params: SamplingParams,
+                       pic_backend: str | None | object = DEFAULT_BACKEND) -> AsyncIterator[RequestOutput]:
+        """Cumulative outputs of ``request_id`` as they are produced; the last one has ``finished`` set.
+
+        Invalid input raises ``ValueError`` on the first iteration, before anything is queued. Leaving the
+        iteration early (``aclose``, cancellation) aborts the request in the engine.
+        """
+        token_ids = list(prompt.token_ids) if isinstance(prompt, SegmentedPrompt) else prompt
+        self.engine.validate_request(token_ids, params)
+        channel = _OutputChannel(asyncio.get_running_loop())
+        self._submit(request_id, _Add(request_id, prompt, params, pic_backend), channel)
+        done = False
+        try:
+            while not done:
+                item = await channel.queue.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                done = item.finished
+                yield item
+        finally:
+            if not done:
+                self.abort(request_id)
+
+    def _submit(self, request_id: str, command: _Add, channel: _OutputChannel) -> None:
+        with self._wakeup:
+            if self._stopping or self._dead:
+                raise EngineDeadError("the engine is shut down")
+            if request_id in self._channels:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._channels[request_id] = channel
+            self._commands.append(command)
+            self._wakeup.notify()
+
+    def abort(self, request_id: str) -> None:
+        """Stop ``request_id`` (no-op if unknown or finished); returns at once, its stream gets nothing more."""
+        with self._wakeup:
+            if self._channels.pop(request_id, None) is not None:
+                self._commands.append(_Abort(request_id))
+                self._wakeup.notify()
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Stop the loop thread; requests still in flight fail with ``EngineDeadError``."""
+        with self._wakeup:
+            self._stopping = True
+            self._wakeup.notify()
+        self._thread.join(timeout)
+
+    # ---- loop thread ----
+
+    def _run(self) -> None:
+        try:
+            while (commands := self._next_commands()) is not None:
+                for command in commands:
+                    self._apply(command)
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                self._stats = EngineStats(len(self.engine.scheduler.waiting), len(self.engine.scheduler.running))
+        except BaseException:
+            logger.exception("engine loop crashed; failing every request")
+        finally:
+            self._close(EngineDeadError("the engine loop has stopped"))
+
+    def _next_commands(self) -> list[_Add | _Abort] | None:
+        """Commands to apply now, waiting while there is nothing to do; None once shutdown is asked."""
+        with self._wakeup:
+            while not (self._commands or self._stopping or self.engine.has_unfinished_requests()):
+                self._wakeup.wait()
+            if self._stopping:
+                return None
+            commands = list(self._commands)
+            self._commands.clear()
+            return commands
+
+    def _apply(self, command: _Add | _Abort) -> None:
+        if isinstance(command, _Abort):
+            if command.request_id in self._in_engine:
+                self._in_engine.discard(command.request_id)
+                self.engine.abort_request(command.request_id)
+            return
+        if not self._is_live(command.request_id):
+            return  # aborted before it reached the engine
+        try:
+            self.engine.add_request(command.request_id, command.prompt, command.params,
+                                    pic_backend=command.pic_backend)
+        except Exception as exc:  # the request's fault (ValueError) or the engine's: either way only this one
+            self._deliver_last(command.request_id, exc)
+            return
+        self._in_engine.add(command.request_id)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            logger.exception("engine step failed; failing the %d requests in flight", len(self._in_engine))
+            self._fail_in_flight(EngineError(f"engine step failed: {exc!r}"))
+            return
+        for output in outputs:
+            if output.finished:
+                self._in_engine.discard(output.request_id)
+                self._deliver_last(output.request_id, output)
+            else:
+                self._deliver(output)
+
+    def _deliver(self, output: RequestOutput) -> None:
+        with self._wakeup:
+            channel = self._channels.get(output.request_id)
+        if channel is not None and not channel.put(output):
+            self.abort(output.request_id)
+
+    def _deliver_last(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        with self._wakeup:
+            channel = self._channels.pop(request_id, None)
+        if channel is not None:
+            channel.put(item)
+
+    def _is_live(self, request_id: str) -> bool:
+        with self._wakeup:
+            return request_id in self._channels
+
+    def _fail_in_flight(self, error: EngineError) -> None:
+        for request_id in list(self._in_engine):
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:
+                logger.exception("could not abort %r after the engine failure", request_id)
+            self._deliver_last(request_id, error)
+        self._in_engine.clear()
+
+    def _close(self, error: EngineDeadError) -> None:
+        for request_id in list(self._in_engine):  # leave the engine idle, as if those requests never came
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:
+                logger.exception("could not abort %r at shutdown", request_id)
+        self._in_engine.clear()
+        with self._wakeup:
+            self._dead = True
+            self._stats = EngineStats(alive=False)
+            channels, self._channels = self._channels, {}
+            self._commands.clear()
+        for channel in channels.values():
+            channel.put(error)

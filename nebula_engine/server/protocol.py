@@ -1,0 +1,203 @@
+"""OpenAI wire format: request bodies (validated, unknown fields rejected) and response bodies.
+
+Only what the engine can honour is accepted; a field we cannot honour (``n > 1``, ``logprobs``, penalties,
+``echo``, ...) is a 400 naming that field rather than being silently ignored.
+Nebula extensions: ``segments`` (explicit PIC / regular token segments), ``pic_backend`` (per-request
+override; JSON null turns PIC off), ``top_k``, ``ignore_eos``, ``stop_token_ids``; ``usage.nebula``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
+from pydantic_core import PydanticCustomError
+
+# ---- requests ----
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class Segment(_Strict):
+    kind: Literal["regular", "pic"]
+    token_ids: list[StrictInt]
+
+
+class SamplingFields(_Strict):
+    model: StrictStr
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)
+    seed: Optional[int] = None
+    stop: Union[StrictStr, list[StrictStr], None] = None
+    stop_token_ids: Optional[list[StrictInt]] = None
+    ignore_eos: bool = False
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: Optional[str] = None  # accepted and ignored, as OpenAI documents it (end-user id for abuse tracking)
+    pic_backend: Optional[StrictStr] = None  # absent: the engine's default; null: PIC off for this request
+
+    @model_validator(mode="after")
+    def _only_supported(self):
+        if self.n != 1:
+            raise unsupported("n", "only n=1 is supported")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) != 0.0:
+                raise unsupported(name, f"{name} is not supported (must be 0)")
+        if self.stream_options is not None and not self.stream:
+            raise unsupported("stream_options", "stream_options is only allowed when stream is true")
+        return self
+
+    @property
+    def include_usage_in_stream(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Union[StrictStr, list[StrictInt], list[StrictStr], None] = None
+    segments: Optional[list[Segment]] = None  # given: the prompt is these segments; ``prompt`` is ignored
+    max_tokens: Optional[int] = Field(16, ge=1)
+    logprobs: Optional[int] = None
+    echo: bool = False
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _completion_only_supported(self):
+        if self.prompt is None and self.segments is None:
+            raise unsupported("prompt", "prompt is required (or nebula's segments)")
+        if self.segments is None and isinstance(self.prompt, list) and self.prompt \
+                and isinstance(self.prompt[0], str) and len(self.prompt) != 1:
+            raise unsupported("prompt", "a list of strings must hold exactly one prompt (no batching)")
+        if self.segments is not None and not self.segments:
+            raise unsupported("segments", "segments must not be empty")
+        for name, asked in (("logprobs", self.logprobs is not None), ("echo", self.echo),
+                            ("best_of", self.best_of not in (None, 1)), ("suffix", self.suffix is not None)):
+            if asked:
+                raise unsupported(name, f"{name} is not supported")
+        return self
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: StrictStr
+    name: Optional[StrictStr] = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[int] = Field(None, ge=1)  # None: as many as the context allows
+    max_completion_tokens: Optional[int] = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+
+    @model_validator(mode="after")
+    def _chat_only_supported(self):
+        if self.logprobs or self.top_logprobs:
+            raise unsupported("logprobs", "logprobs are not supported")
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise unsupported("max_completion_tokens", "give max_tokens or max_completion_tokens, not both")
+        return self
+
+    @property
+    def max_output_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def unsupported(param: str, message: str) -> PydanticCustomError:
+    """A well-formed field whose value the server does not support; the error's ``ctx["param"]`` names it."""
+    return PydanticCustomError("unsupported_value", message, {"param": param})
+
+
+# ---- responses ----
+
+
+class NebulaUsage(BaseModel):
+    """How the prompt's cached tokens split; ``recomputed_tokens`` is part of ``pic_cached_tokens``."""
+
+    prefix_cached_tokens: int
+    pic_cached_tokens: int
+    recomputed_tokens: int
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+    nebula: NebulaUsage
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: Optional[str] = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[Usage] = None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatMessageOut
+    logprobs: None = None
+    finish_reason: Optional[str] = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Optional[Usage] = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "nebula-engine"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
