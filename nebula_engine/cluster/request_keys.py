@@ -44,3 +44,18 @@ class RequestKeys:
 
     def prefix_tokens(self, num_segments: int) -> int:
         return sum(self.tokens[:num_segments])
+
+
+def prompt_keys(request_id: str, segments: "list[tuple[str, tuple[int, ...]]]", pic_key) -> RequestKeys:
+    """Keys of a real prompt: ``segments`` are (kind, token ids) in order; ``pic_key(ids)`` is the workers'
+    PIC store key of a segment (so router records and worker store events name the same entries); a regular
+    segment's content id hashes its token ids."""
+    content_ids, keys, parent = [], [], ""
+    for kind, ids in segments:
+        content = pic_key(ids) if kind == "pic" else xxhash.xxh3_64_hexdigest(repr(tuple(ids)).encode())
+        content_ids.append(content)
+        parent = chain_key(parent, content)
+        keys.append(parent)
+    return RequestKeys(request_id=request_id, pc_keys=tuple(keys), content_ids=tuple(content_ids),
+                       tokens=tuple(len(ids) for _, ids in segments),
+                       pic_indices=tuple(i for i, (kind, _) in enumerate(segments) if kind == "pic"))

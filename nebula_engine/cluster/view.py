@@ -102,6 +102,12 @@ class ClusterView:
         self._reservations[task_id] = (worker, tokens)
         self._outstanding[worker] += tokens
 
+    def forget_worker(self, worker: int) -> None:
+        """``worker`` is gone (or restarted): drop every record of what it held."""
+        for kind, by_key in self._holders.items():
+            for key in [k for k, records in by_key.items() if worker in records]:
+                self._remove(kind, key, worker)
+
     def release(self, task_id: str) -> bool:
         """Free a task's reservation; False (and nothing changes) if it was already released."""
         reservation = self._reservations.pop(task_id, None)

@@ -56,11 +56,19 @@ class _Add:
     prompt: EnginePrompt
     params: SamplingParams
     pic_backend: object
+    hold_kv: bool = False
 
 
 @dataclass(frozen=True)
 class _Abort:
     request_id: str
+
+
+@dataclass(frozen=True)
+class _Call:
+    fn: object  # fn(engine) -> result, run on the loop thread between steps
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
 
 
 class _OutputChannel:
@@ -108,7 +116,8 @@ class AsyncLLMEngine:
         return self._stats
 
     async def generate(self, request_id: str, prompt: EnginePrompt, params: SamplingParams,
-                       pic_backend: str | None | object = DEFAULT_BACKEND) -> AsyncIterator[RequestOutput]:
+                       pic_backend: str | None | object = DEFAULT_BACKEND,
+                       hold_kv: bool = False) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs of ``request_id`` as they are produced; the last one has ``finished`` set.
 
         Invalid input raises ``ValueError`` on the first iteration, before anything is queued. Leaving the
@@ -117,7 +126,7 @@ class AsyncLLMEngine:
         token_ids = list(prompt.token_ids) if isinstance(prompt, SegmentedPrompt) else prompt
         self.engine.validate_request(token_ids, params)
         channel = _OutputChannel(asyncio.get_running_loop())
-        self._submit(request_id, _Add(request_id, prompt, params, pic_backend), channel)
+        self._submit(request_id, _Add(request_id, prompt, params, pic_backend, hold_kv), channel)
         done = False
         try:
             while not done:
@@ -140,6 +149,70 @@ class AsyncLLMEngine:
             self._channels[request_id] = channel
             self._commands.append(command)
             self._wakeup.notify()
+
+    async def call(self, fn):
+        """Run ``fn(engine)`` on the loop thread between two steps and return its result (or raise its error).
+
+        This is how other components (the cluster worker) touch engine state without racing the loop."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._wakeup:
+            if self._stopping or self._dead:
+                raise EngineDeadError("the engine is shut down")
+            self._commands.append(_Call(fn, future, loop))
+            self._wakeup.notify()
+        return await future
+
+    async def generate_held(self, request_id: str, prompt: EnginePrompt, params: SamplingParams,
+                            pic_backend: str | None | object = DEFAULT_BACKEND) -> RequestOutput:
+        """Run a request whose pages stay allocated when it finishes (``LLMEngine.release_held`` frees them);
+        returns its finished output."""
+        last = None
+        async for last in self.generate(request_id, prompt, params, pic_backend, hold_kv=True):
+            pass
+        return last
+
+    async def generate_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token: int,
+                                 first_logprob: float, params: SamplingParams, cached: tuple[int, int, int],
+                                 ) -> AsyncIterator[RequestOutput]:
+        """Stream a request prefilled by another engine (``LLMEngine.add_prefilled``; its pages were reserved with
+        ``reserve_prefilled`` and written). The first item is the output after its first token."""
+        channel = _OutputChannel(asyncio.get_running_loop())
+        with self._wakeup:
+            if request_id in self._channels:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._channels[request_id] = channel
+
+        def add(engine: LLMEngine) -> None:
+            try:
+                first = engine.add_prefilled(request_id, prompt_token_ids, first_token, first_logprob, params, cached)
+            except Exception as exc:
+                engine.cancel_prefilled(request_id)
+                self._deliver_last(request_id, exc)
+                return
+            if first.finished:
+                self._deliver_last(request_id, first)
+            else:
+                self._in_engine.add(request_id)
+                self._deliver(first)
+
+        await self.call(add)
+        async for item in self._drain(request_id, channel):
+            yield item
+
+    async def _drain(self, request_id: str, channel: _OutputChannel) -> AsyncIterator[RequestOutput]:
+        done = False
+        try:
+            while not done:
+                item = await channel.queue.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                done = item.finished
+                yield item
+        finally:
+            if not done:
+                self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         """Stop ``request_id`` (no-op if unknown or finished); returns at once, its stream gets nothing more."""
@@ -181,7 +254,15 @@ class AsyncLLMEngine:
             self._commands.clear()
             return commands
 
-    def _apply(self, command: _Add | _Abort) -> None:
+    def _apply(self, command: _Add | _Abort | _Call) -> None:
+        if isinstance(command, _Call):
+            try:
+                result = command.fn(self.engine)
+            except BaseException as exc:
+                command.loop.call_soon_threadsafe(_settle, command.future, None, exc)
+            else:
+                command.loop.call_soon_threadsafe(_settle, command.future, result, None)
+            return
         if isinstance(command, _Abort):
             if command.request_id in self._in_engine:
                 self._in_engine.discard(command.request_id)
@@ -191,7 +272,7 @@ class AsyncLLMEngine:
             return  # aborted before it reached the engine
         try:
             self.engine.add_request(command.request_id, command.prompt, command.params,
-                                    pic_backend=command.pic_backend)
+                                    pic_backend=command.pic_backend, hold_kv=command.hold_kv)
         except Exception as exc:  # the request's fault (ValueError) or the engine's: either way only this one
             self._deliver_last(command.request_id, exc)
             return
@@ -247,6 +328,18 @@ class AsyncLLMEngine:
             self._dead = True
             self._stats = EngineStats(alive=False)
             channels, self._channels = self._channels, {}
+            calls = [c for c in self._commands if isinstance(c, _Call)]
             self._commands.clear()
+        for call in calls:
+            call.loop.call_soon_threadsafe(_settle, call.future, None, error)
         for channel in channels.values():
             channel.put(error)
+
+
+def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

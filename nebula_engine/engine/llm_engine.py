@@ -107,7 +107,8 @@ class LLMEngine:
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int] | SegmentedPrompt, params: SamplingParams,
-                    prompt: str | None = None, pic_backend: str | None | object = DEFAULT_BACKEND) -> None:
+                    prompt: str | None = None, pic_backend: str | None | object = DEFAULT_BACKEND,
+                    hold_kv: bool = False) -> None:
         """Queue a request. A ``SegmentedPrompt`` (``tokenizer.segment_prompt`` / ``segment_chat``) marks its PIC
         segments; ``pic_backend`` overrides the engine's for this request (None: no PIC, same token ids)."""
         if request_id in self._sequences:
@@ -117,6 +118,7 @@ class LLMEngine:
         self.validate_request(prompt_token_ids, params)
         backend = self.resolve_request_backend(pic_backend) if segmented is not None else None
         seq = Sequence(request_id, prompt_token_ids, params, prompt, segmented, backend)
+        seq.hold_kv = hold_kv
         self._sequences[request_id] = seq
         self.output_processor.add(seq)
         self.scheduler.add(seq)
@@ -133,6 +135,46 @@ class LLMEngine:
             raise ValueError("this engine runs without a cache store (prefix caching and PIC both off): "
                              "it cannot serve a PIC backend")
         return backend
+
+    # ---- prefill / decode hand-off ----
+
+    def held_block_table(self, request_id: str) -> list[int]:
+        """Pages of a finished ``hold_kv`` request (its prompt K/V, page by page)."""
+        if request_id not in self.scheduler.held:
+            raise KeyError(f"request {request_id!r} holds no pages")
+        return list(self.scheduler.kv_cache.block_tables[request_id])
+
+    def release_held(self, request_id: str) -> None:
+        if request_id in self.scheduler.held:
+            self.scheduler.release_held(request_id)
+
+    def reserve_prefilled(self, request_id: str, num_tokens: int) -> list[int]:
+        """Pages for a request whose first ``num_tokens`` tokens' K/V another engine computed; the caller
+        writes them, then calls ``add_prefilled``. OutOfPagesError when the pool is short."""
+        if request_id in self._sequences or request_id in self.scheduler.kv_cache.block_tables:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        return list(self.scheduler.kv_cache.allocate_slots(request_id, num_tokens))
+
+    def cancel_prefilled(self, request_id: str) -> None:
+        if request_id not in self._sequences and request_id in self.scheduler.kv_cache.block_tables:
+            self.scheduler.kv_cache.free(request_id)
+
+    def add_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token: int, first_logprob: float,
+                      params: SamplingParams, cached: tuple[int, int, int] = (0, 0, 0)) -> RequestOutput:
+        """Continue a request prefilled elsewhere: its prompt K/V is in the reserved pages, its first token was
+        sampled there. Returns the output after that first token (it may already be finished)."""
+        seq = Sequence(request_id, prompt_token_ids, params)
+        seq.num_prefix_cached_tokens, seq.num_pic_cached_tokens, seq.num_recomputed_tokens = cached
+        seq.num_computed_tokens = len(prompt_token_ids)
+        self._sequences[request_id] = seq
+        self.output_processor.add(seq)
+        self.scheduler.add_running(seq)
+        seq.append_token(first_token, first_logprob)
+        decision = self.output_processor.process_token(seq)
+        if decision is not None:
+            self.scheduler.finish(seq, decision.finish_reason, decision.stop_reason)
+            return self.output_processor.finish(self._sequences.pop(request_id))
+        return self.output_processor.snapshot(seq)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop ``request_id`` now; False if it is unknown or already finished."""

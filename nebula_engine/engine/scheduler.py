@@ -58,6 +58,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._finished_seq_ids: list[str] = []
+        self.held: set[str] = set()  # finished sequences whose pages stay allocated until released
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -178,5 +179,17 @@ class Scheduler:
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
         self.running.remove(seq)
-        self.kv_cache.free(seq.seq_id)
+        if seq.hold_kv:  # another engine reads its pages first (prefill -> decode hand-off)
+            self.held.add(seq.seq_id)
+        else:
+            self.kv_cache.free(seq.seq_id)
         self._finished_seq_ids.append(seq.seq_id)
+
+    def release_held(self, seq_id: str) -> None:
+        self.held.remove(seq_id)
+        self.kv_cache.free(seq_id)
+
+    def add_running(self, seq: Sequence) -> None:
+        """``seq`` arrives with its prompt K/V already in its pages (``kv_cache.block_tables``): it decodes next."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)

@@ -1,0 +1,146 @@
+"""Start a whole cluster on this machine: one process per peer, no external service (embedded Raft).
+
+``LocalCluster`` is used by ``nebula-engine serve --prefill-workers N``, by ``tools/bench_cluster.py`` and by the
+multi-process tests. It owns the processes it starts and stops them (SIGTERM, then SIGKILL) by their pids.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from nebula_engine.cluster.peer import ClusterSpec, PeerSpec
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    sockets, ports = [], []
+    for _ in range(count):
+        s = socket.socket()
+        s.bind((host, 0))
+        sockets.append(s)
+        ports.append(s.getsockname()[1])
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def local_spec(num_prefill: int, num_decode: int, host: str = "127.0.0.1", port: int = 0, policy: str = "nebula",
+               etcd: str | None = None) -> ClusterSpec:
+    """Peers ``prefill-0..`` then ``decode-0..``; HTTP ports ``port, port+1, ...`` (free ports when 0)."""
+    if num_prefill < 1 or num_decode < 0:
+        raise ValueError(f"need >= 1 prefill and >= 0 decode workers, got {num_prefill} and {num_decode}")
+    count = num_prefill + num_decode
+    internal = free_ports(2 * count, host)
+    http = free_ports(count, host) if port == 0 else [port + i for i in range(count)]
+    peers = []
+    for i in range(count):
+        role, index = ("prefill", i) if i < num_prefill else ("decode", -1)
+        name = f"prefill-{i}" if role == "prefill" else f"decode-{i - num_prefill}"
+        peers.append(PeerSpec(name, role, host, internal[2 * i], internal[2 * i + 1], http[i], index))
+    return ClusterSpec(tuple(peers), policy, etcd)
+
+
+class LocalCluster:
+    def __init__(self, model: str, spec: ClusterSpec, engine_options: dict | None = None,
+                 served_model_name: str | None = None, log_dir: str | Path | None = None, log_level: str = "warning"):
+        self.model = model
+        self.spec = spec
+        self.engine_options = engine_options or {}
+        self.served_model_name = served_model_name or model
+        self._tmp = tempfile.TemporaryDirectory(prefix="nebula-cluster-")
+        self.log_dir = Path(log_dir or self._tmp.name)
+        self.log_level = log_level
+        self.processes: dict[str, subprocess.Popen] = {}
+
+    @property
+    def urls(self) -> dict[str, str]:
+        return {p.name: p.url for p in self.spec.peers}
+
+    def start(self, timeout: float = 180.0) -> LocalCluster:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        spec_file = Path(self._tmp.name) / "cluster.json"
+        spec_file.write_text(self.spec.to_json())
+        for peer in self.spec.peers:
+            self._spawn(peer.name, spec_file)
+        self.wait_ready(timeout)
+        return self
+
+    def _spawn(self, name: str, spec_file: Path) -> None:
+        log = open(self.log_dir / f"{name}.log", "ab")
+        command = [sys.executable, "-m", "nebula_engine.cluster.peer", "--spec", str(spec_file), "--name", name,
+                   "--model", self.model, "--served-model-name", self.served_model_name,
+                   "--engine-options", json.dumps(self.engine_options), "--log-level", self.log_level]
+        self.processes[name] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def restart(self, name: str, timeout: float = 180.0) -> None:
+        self.stop_peer(name, kill=True)
+        self._spawn(name, Path(self._tmp.name) / "cluster.json")
+        self._wait(lambda: self.state(name).get("leader") is not None, timeout, f"{name} to rejoin")
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        """Every running peer answers /health (it knows a leader) and all agree on the leader."""
+        def ready() -> bool:
+            leaders = set()
+            for name in self.processes:
+                if self.processes[name].poll() is not None:
+                    raise RuntimeError(f"peer {name} exited with {self.processes[name].returncode}; "
+                                       f"see {self.log_dir / (name + '.log')}")
+                state = self.state(name)
+                if not state.get("leader"):
+                    return False
+                leaders.add(state["leader"])
+            return len(leaders) == 1 and next(iter(leaders)) in self.processes
+        self._wait(ready, timeout, "the cluster to be ready")
+
+    def state(self, name: str) -> dict:
+        """GET /cluster of one peer ({} while it does not answer)."""
+        try:
+            with urllib.request.urlopen(self.urls[name] + "/cluster", timeout=2) as response:
+                return json.loads(response.read())
+        except OSError:
+            return {}
+
+    def leader(self) -> str:
+        for name in self.processes:
+            state = self.state(name)
+            if state.get("leader"):
+                return state["leader"]
+        raise RuntimeError("no peer knows a leader")
+
+    def _wait(self, condition, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}; logs in {self.log_dir}")
+            time.sleep(0.2)
+
+    def stop_peer(self, name: str, kill: bool = False) -> None:
+        process = self.processes.pop(name, None)
+        if process is None or process.poll() is not None:
+            return
+        process.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+
+    def stop(self) -> None:
+        for name in list(self.processes):
+            self.stop_peer(name)
+        self._tmp.cleanup()
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

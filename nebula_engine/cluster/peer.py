@@ -1,0 +1,344 @@
+"""One engine peer process of a cluster: engine + data plane + (when elected) router + HTTP front end.
+
+Everything but the engine loop and NIXL reads runs on one asyncio loop: the ZMQ inbox, the router (only
+active on the leader), the worker's command handlers, the front end and the uvicorn server. A peer only learns
+who leads from its election; the router state it builds when it starts leading comes from worker snapshots.
+
+Run as ``python -m nebula_engine.cluster.peer --spec cluster.json --name NAME --engine-options JSON``
+(``nebula-engine serve`` does this for each peer of a local cluster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from nebula_engine.cluster import wire
+from nebula_engine.cluster.config import ClusterConfig, ClusterProfile, TransferLink
+from nebula_engine.cluster.election import EtcdElection, LeaderElection, RaftElection
+from nebula_engine.cluster.frontend import ClusterFrontend
+from nebula_engine.cluster.router import RouterService
+from nebula_engine.cluster.transfer import KVTransferAgent
+from nebula_engine.cluster.transport import Messenger
+from nebula_engine.cluster.worker import WorkerService
+
+logger = logging.getLogger(__name__)
+
+POLICIES = ("pc", "local-pic", "nebula")
+
+
+@dataclass(frozen=True)
+class PeerSpec:
+    name: str
+    role: str  # "prefill" | "decode"
+    host: str
+    ctrl_port: int
+    raft_port: int
+    http_port: int
+    worker_index: int  # 0..N-1 for prefill peers, -1 for decode peers
+
+    @property
+    def ctrl_address(self) -> str:
+        return f"tcp://{self.host}:{self.ctrl_port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.http_port}"
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    peers: tuple[PeerSpec, ...]
+    policy: str = "nebula"
+    etcd: str | None = None  # "host:port": etcd leases instead of the embedded Raft election
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown cluster policy {self.policy!r}; choose from {POLICIES}")
+        if not any(p.role == "prefill" for p in self.peers):
+            raise ValueError("a cluster needs at least one prefill peer")
+        if len({p.name for p in self.peers}) != len(self.peers):
+            raise ValueError("peer names must be unique")
+
+    @property
+    def prefill_peers(self) -> list[PeerSpec]:
+        return sorted((p for p in self.peers if p.role == "prefill"), key=lambda p: p.worker_index)
+
+    @property
+    def decode_peers(self) -> list[PeerSpec]:
+        return [p for p in self.peers if p.role == "decode"]
+
+    def peer(self, name: str) -> PeerSpec:
+        for spec in self.peers:
+            if spec.name == name:
+                return spec
+        raise ValueError(f"no peer named {name!r} in the cluster spec; peers: {[p.name for p in self.peers]}")
+
+    def to_json(self) -> str:
+        return json.dumps({"policy": self.policy, "etcd": self.etcd, "peers": [asdict(p) for p in self.peers]})
+
+    @classmethod
+    def from_json(cls, text: str) -> ClusterSpec:
+        data = json.loads(text)
+        return cls(tuple(PeerSpec(**p) for p in data["peers"]), data.get("policy", "nebula"), data.get("etcd"))
+
+
+class Peer:
+    def __init__(self, spec: ClusterSpec, name: str, engine_options: dict, model: str, served_model_name: str):
+        self.spec = spec
+        self.me = spec.peer(name)
+        self.name = name
+        self.engine_options = dict(engine_options)
+        self.model = model
+        self.served_model_name = served_model_name
+        self.leader_name: str | None = None
+        self._stopping = asyncio.Event()
+        self._hello_sent: set[str] = set()
+
+    # ---- startup ----
+    def _build(self) -> None:
+        from nebula_engine.config import EngineConfig
+        from nebula_engine.engine.async_engine import AsyncLLMEngine
+        from nebula_engine.pic.backends.base import has_linear_attention
+
+        options = {**self.engine_options, "worker_id": max(self.me.worker_index, 0)}
+        self.engine = AsyncLLMEngine.from_config(EngineConfig.create(self.model, **options))
+        storage = self.engine.engine.model_runner.kv_storage
+        self.agent = KVTransferAgent.for_storage(self.name, storage)
+        self.messenger = Messenger(self.name, f"tcp://{self.me.host}:{self.me.ctrl_port}",
+                                   {p.name: p.ctrl_address for p in self.spec.peers if p.name != self.name})
+        self.worker = WorkerService(self.name, self.me.role, self.me.worker_index, self.engine, self.agent,
+                                    self.send, lambda: self.leader_name)
+        self.worker.local_router = self.dispatch
+        model = self.engine.engine.model_runner.model
+        self.router = RouterService(self.name, [p.name for p in self.spec.prefill_peers],
+                                    [p.name for p in self.spec.decode_peers], self._cluster_config(), self.spec.policy,
+                                    self.send, self._pic_key, decode_here=has_linear_attention(model))
+        self.frontend = ClusterFrontend(self.name, self.engine, self.messenger.send, lambda: self.leader_name,
+                                        self.dispatch)
+        self.election = self._election()
+
+    def _cluster_config(self) -> ClusterConfig:
+        """The planner's cost model for this machine: the engine's real KV size, loopback NIXL bandwidth."""
+        engine = self.engine.engine
+        storage = engine.model_runner.kv_storage
+        bytes_per_token = sum(t[0].numel() * t.element_size() for tensors in storage.layer_caches for t in tensors
+                              ) // storage.page_size
+        base = ClusterProfile.load()
+        loopback = TransferLink(bandwidth_bytes_per_s=1.0e9, latency_s=2e-4)
+        profile = replace(base, name="local-cpu", kv_bytes_per_token=max(1, bytes_per_token), intra_node=loopback,
+                          inter_node=loopback, gpus_per_node=len(self.spec.peers),
+                          cache_capacity_tokens=storage.num_pages * storage.page_size,
+                          prefill=replace(base.prefill, per_token_s=1e-4, fixed_s=0.01))
+        return ClusterConfig(num_prefill_workers=len(self.spec.prefill_peers), profile=profile)
+
+    def _pic_key(self, spec: str | None, ids: list[int]) -> str:
+        engine = self.engine.engine
+        if spec is None:
+            return ""
+        backend = engine.pic_backend if spec == "" else engine.resolve_request_backend(spec)
+        if backend is None:
+            return ""
+        return engine.model_runner.pic_executor.segment_key(backend, ids)
+
+    def _election(self) -> LeaderElection:
+        if self.spec.etcd:
+            host, _, port = self.spec.etcd.rpartition(":")
+            return EtcdElection(self.name, host, int(port))
+        peers = {p.name: f"{p.host}:{p.raft_port}" for p in self.spec.peers}
+        return RaftElection(self.name, peers[self.name], peers)
+
+    # ---- messaging ----
+    def send(self, peer: str, message: wire.Msg) -> None:
+        if peer == self.name:
+            self.dispatch(message)
+        else:
+            self.messenger.send(peer, message)
+
+    def dispatch(self, msg: wire.Msg) -> None:
+        """Route one message to the component that handles it (on the event loop)."""
+        if self.router.active and msg.sender != self.name:
+            self.router.seen(msg.sender)
+        spawn = asyncio.get_running_loop().create_task
+        match msg:
+            case wire.Hello():
+                self._on_hello(msg)
+            case wire.Heartbeat():
+                pass
+            case wire.Submit():
+                self.router.on_submit(msg)
+            case wire.Replanned():
+                self.frontend.on_replanned(msg)
+            case wire.Scatter():
+                spawn(self.worker.on_scatter(msg))
+            case wire.Combine():
+                spawn(self.worker.on_combine(msg))
+            case wire.SnapshotRequest():
+                spawn(self.worker.pump_events(snapshot=True))
+            case wire.PCShare():
+                spawn(self.engine.call(lambda e: e.cache_store and e.cache_store.set_pc_share(msg.pc_share)))
+            case wire.CacheEventMsg():
+                self.router.on_cache_events(msg)
+            case wire.TaskDone():
+                self.router.on_task_done(msg)
+            case wire.PinSegment():
+                spawn(self.worker.on_pin(msg))
+            case wire.PinReply():
+                self.worker.on_pin_reply(msg)
+            case wire.Unpin():
+                spawn(self.worker.on_unpin(msg))
+            case wire.Handoff():
+                spawn(self.worker.on_handoff(msg))
+            case wire.HandoffDone():
+                self.worker.on_handoff_done(msg)
+            case wire.Output() | wire.Failed():
+                self.frontend.on_output(msg)
+            case wire.Abort():
+                self.worker.on_abort(msg)
+
+    def _hello(self, reply: bool) -> wire.Hello:
+        return wire.Hello(sender=self.name, role=self.me.role, worker_index=self.me.worker_index,
+                          nixl_metadata=self.agent.metadata(), reply=reply)
+
+    def _on_hello(self, msg: wire.Hello) -> None:
+        self.agent.add_peer(msg.sender, msg.nixl_metadata)  # a restarted peer replaces its old entry
+        if not msg.reply:
+            self.messenger.send(msg.sender, self._hello(reply=True))
+
+    def _on_leader_change(self, leader: str | None) -> None:
+        if leader == self.leader_name:
+            return
+        logger.info("%s: leader is now %s", self.name, leader)
+        self.leader_name = leader
+        if leader == self.name and not self.router.active:
+            self.router.activate()
+        elif leader != self.name and self.router.active:
+            self.router.deactivate()
+        self.frontend.on_leader_change(leader)
+
+    # ---- run ----
+    async def run(self) -> None:
+        import uvicorn
+
+        from nebula_engine.server.api import build_app
+
+        self._build()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._stopping.set)
+        for peer in self.spec.peers:
+            if peer.name != self.name:
+                self.messenger.send(peer.name, self._hello(reply=False))
+        self.election.on_change = lambda leader: loop.call_soon_threadsafe(self._on_leader_change, leader)
+        self.election.start()
+        app = build_app(self.frontend, self.served_model_name)
+        self._register_metrics(app)
+
+        @app.get("/cluster")
+        async def cluster_state() -> dict:
+            """This peer's view of the cluster (for operators and tests)."""
+            return {"name": self.name, "role": self.me.role, "leader": self.leader_name,
+                    "router": {"active": self.router.active, "in_flight": len(self.router.in_flight),
+                               "planned": self.router.num_planned, "replanned": self.router.num_replanned,
+                               "dead": sorted(self.router.dead)},
+                    "transfer_bytes": self.worker.transfer_bytes, "transfer_failures": self.worker.transfer_failures,
+                    "resubmitted": self.frontend.num_resubmitted, "nixl_peers": sorted(self.agent.peers)}
+        server = uvicorn.Server(uvicorn.Config(app, host=self.me.host, port=self.me.http_port, log_level="warning",
+                                               lifespan="off"))
+        server.install_signal_handlers = lambda: None
+        tasks = [loop.create_task(coro) for coro in (server.serve(), self._inbox(), self._ticks())]
+        try:
+            await self._stopping.wait()
+        finally:
+            server.should_exit = True
+            for task in tasks[1:]:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self.election.stop()
+            self.engine.shutdown()
+            self.agent.close()
+            self.messenger.close()
+
+    async def _inbox(self) -> None:
+        while True:
+            message = await self.messenger.recv()
+            try:
+                self.dispatch(message)
+            except Exception:
+                logger.exception("handling %s from %s failed", type(message).__name__, message.sender)
+
+    async def _ticks(self) -> None:
+        """Heartbeats to the leader, cache events to the router, and (on the leader) liveness checks."""
+        beat = 0
+        while True:
+            await asyncio.sleep(0.1)
+            beat += 1
+            leader = self.leader_name
+            if leader is None:
+                leader = self.election.leader
+                if leader is not None:
+                    self._on_leader_change(leader)
+            if leader is not None and leader != self.name and beat % 3 == 0:
+                self.messenger.send(leader, wire.Heartbeat(sender=self.name))
+            if leader is not None:
+                try:
+                    await self.worker.pump_events()
+                except Exception:
+                    logger.exception("sending cache events failed")
+            if self.router.active and beat % 5 == 0:
+                self.router.check_liveness()
+
+    def _register_metrics(self, app) -> None:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        peer = self
+
+        class ClusterCollector:
+            def collect(self):
+                moved = CounterMetricFamily("nebula_kv_transfer_bytes", "KV bytes read from other peers (NIXL)")
+                moved.add_metric([], peer.worker.transfer_bytes)
+                yield moved
+                failed = CounterMetricFamily("nebula_kv_transfer_failures", "KV reads that failed and were recomputed")
+                failed.add_metric([], peer.worker.transfer_failures)
+                yield failed
+                evictions = CounterMetricFamily("nebula_cache_evictions", "Cache entries evicted from the device",
+                                                labels=["kind"])
+                for kind in ("pc", "pic"):
+                    evictions.add_metric([kind], peer.worker.evictions[kind])
+                yield evictions
+                leader = GaugeMetricFamily("nebula_is_leader", "1 on the peer that runs the router")
+                leader.add_metric([], 1.0 if peer.router.active else 0.0)
+                yield leader
+                if peer.router.active:
+                    inflight = GaugeMetricFamily("nebula_router_in_flight", "Requests planned, combine not done")
+                    inflight.add_metric([], len(peer.router.in_flight))
+                    yield inflight
+
+        app.state.metrics.register(ClusterCollector())
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="one nebula-engine cluster peer")
+    parser.add_argument("--spec", required=True, help="cluster spec JSON file")
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--served-model-name")
+    parser.add_argument("--engine-options", default="{}", help="JSON object of EngineConfig.create options")
+    parser.add_argument("--log-level", default="warning")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {args.name} %(levelname)s %(name)s: "
+                                                              "%(message)s")
+    spec = ClusterSpec.from_json(Path(args.spec).read_text())
+    peer = Peer(spec, args.name, json.loads(args.engine_options), args.model, args.served_model_name or args.model)
+    asyncio.run(peer.run())
+    os._exit(0)  # NIXL / UCX threads must not keep a stopped peer alive
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""The router: runs on the elected leader, plans each request with the control plane and dispatches the plan.
+
+A plan becomes messages: ``Scatter`` to each worker that prefills a cold segment, and one ``Combine`` to the
+combine home listing, per PIC segment, the peer to fetch it from. The router never touches KV bytes. It keeps
+each request in flight until its combine is done, so that when a prefill peer stops answering (no message for
+``dead_after_s``) every request planned on it is planned again elsewhere, with a higher attempt number that
+the request's front end switches to. A new leader starts with no requests in flight (front ends resubmit
+theirs) and rebuilds its view from every worker's snapshot.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from nebula_engine.cluster import wire
+from nebula_engine.cluster.config import ClusterConfig
+from nebula_engine.cluster.control_plane import ControlPlane
+from nebula_engine.cluster.messages import Action, CacheKind, DoneEvent, EvictEvent, StoreEvent, Tier
+from nebula_engine.cluster.request_keys import prompt_keys
+
+logger = logging.getLogger(__name__)
+
+DEAD_LOAD = 1e15  # outstanding tokens that keep the planner off a dead worker
+
+
+@dataclass
+class InFlight:
+    submit: wire.Submit
+    attempt: int
+    home: int
+    handed_off: bool = False
+    tasks: set[str] = field(default_factory=set)
+
+
+class RouterService:
+    def __init__(self, name: str, prefill_peers: list[str], decode_peers: list[str], config: ClusterConfig,
+                 policy: str, send: Callable[[str, wire.Msg], None], pic_key: Callable[[str | None, list[int]], str],
+                 decode_here: bool = False, dead_after_s: float = 3.0, clock: Callable[[], float] = time.monotonic):
+        self.name = name
+        self.prefill_peers = prefill_peers
+        self.decode_peers = decode_peers
+        self.config = config
+        self.policy = policy
+        self.send = send
+        self.pic_key = pic_key
+        self.decode_here = decode_here  # hybrid models: no prefill -> decode hand-off (their state is not moved)
+        self.dead_after_s = dead_after_s
+        self.clock = clock
+        self.active = False
+        self.control: ControlPlane | None = None
+        self.in_flight: dict[str, InFlight] = {}
+        self.last_seen: dict[str, float] = {}
+        self.dead: set[str] = set()
+        self._event_seq: dict[int, int] = {}
+        self.num_planned = 0
+        self.num_replanned = 0
+
+    # ---- leadership ----
+    def activate(self) -> None:
+        """This peer just became the leader: fresh view, ask every prefill worker for its cache index."""
+        self.control = ControlPlane(self.config, self.policy)
+        self.in_flight.clear()
+        self._event_seq.clear()
+        now = self.clock()
+        self.last_seen = {peer: now for peer in self.prefill_peers + self.decode_peers}
+        self.dead = set()
+        self.active = True
+        for peer in self.prefill_peers:
+            self.deliver(peer, wire.SnapshotRequest(sender=self.name))
+
+    def deactivate(self) -> None:
+        self.active = False
+        self.control = None
+        self.in_flight.clear()
+
+    def deliver(self, peer: str, message: wire.Msg) -> None:
+        self.send(peer, message)
+
+    # ---- requests ----
+    def on_submit(self, msg: wire.Submit) -> None:
+        if not self.active:
+            return
+        self.seen(msg.sender)
+        self._plan(msg, msg.attempt)
+
+    def _plan(self, msg: wire.Submit, attempt: int) -> None:
+        spec = None if self.policy == "pc" else msg.pic_backend
+        segments = [(s.kind, msg.token_ids[s.start:s.start + s.length]) for s in msg.segments]
+        keys = prompt_keys(f"{msg.request_id}#{attempt}", segments, lambda ids: self.pic_key(spec, ids))
+        plan = self.control.on_request(keys, self.clock()).plan
+        home_name = self.prefill_peers[plan.combine_home]
+        sources, local_tasks, flight = [], [], InFlight(msg, attempt, plan.combine_home)
+        for segment in plan.segments:
+            pic_index = keys.pic_indices.index(segment.index)
+            holder = self.prefill_peers[segment.worker]
+            if segment.action is Action.COMPUTE and segment.worker != plan.combine_home:
+                self.deliver(holder, wire.Scatter(sender=self.name, task_id=segment.task_id,
+                                                  request_id=msg.request_id, segment_index=pic_index,
+                                                  key=segment.key, token_ids=list(segments[segment.index][1]),
+                                                  pic_backend=spec or "full"))
+                flight.tasks.add(segment.task_id)
+            elif segment.action is Action.COMPUTE:
+                local_tasks.append(segment.task_id)
+            if segment.action in (Action.COMPUTE, Action.REUSE) and segment.worker != plan.combine_home:
+                sources.append(wire.SourceSpec(pic_index, segment.key, holder))
+        decode = "" if self.decode_here or not self._live_decode_peers() else self._live_decode_peers()[0]
+        flight.tasks.update([plan.combine_task_id, *local_tasks])
+        self.in_flight[msg.request_id] = flight
+        self.num_planned += 1
+        self.deliver(home_name, wire.Combine(
+            sender=self.name, task_id=plan.combine_task_id, request_id=msg.request_id, attempt=attempt,
+            frontend=msg.sender, token_ids=msg.token_ids, segments=msg.segments, params=msg.params,
+            pic_backend=spec, sources=sources, local_task_ids=local_tasks, decode_peer=decode))
+
+    def _live_decode_peers(self) -> list[str]:
+        return [p for p in self.decode_peers if p not in self.dead]
+
+    # ---- worker reports ----
+    def on_task_done(self, msg: wire.TaskDone) -> None:
+        if not self.active:
+            return
+        self.seen(msg.sender)
+        self.control.on_event(DoneEvent(msg.worker_index, self._next_seq(msg.worker_index), msg.task_id), self.clock())
+        flight = self.in_flight.get(msg.request_id)
+        if flight is not None and msg.task_id.endswith("/combine"):
+            del self.in_flight[msg.request_id]
+
+    def on_cache_events(self, msg: wire.CacheEventMsg) -> None:
+        if not self.active:
+            return
+        self.seen(msg.sender)
+        worker, now = msg.worker_index, self.clock()
+        if msg.snapshot:
+            self.control.view.forget_worker(worker)
+        for event in msg.events:
+            kind, tier = CacheKind(event.kind), Tier.DEVICE if event.tier == "device" else Tier.HOST
+            seq = self._next_seq(worker)
+            if event.op == "store":
+                self.control.on_event(StoreEvent(worker, seq, kind, event.key, event.num_tokens, tier), now)
+            else:
+                self.control.on_event(EvictEvent(worker, seq, kind, event.key, tier), now)
+
+    def _next_seq(self, worker: int) -> int:
+        self._event_seq[worker] = self._event_seq.get(worker, 0) + 1
+        return self._event_seq[worker]
+
+    def seen(self, peer: str) -> None:
+        self.last_seen[peer] = self.clock()
+        if peer in self.dead:  # it came back (restarted): plan on it again
+            self.dead.discard(peer)
+            if peer in self.prefill_peers:
+                self.control.view.release(f"dead/{peer}")
+
+    # ---- failures ----
+    def check_liveness(self) -> list[str]:
+        """Declare peers silent for ``dead_after_s`` dead and re-plan what was planned on them; returns them."""
+        if not self.active:
+            return []
+        now = self.clock()
+        newly_dead = [p for p, t in self.last_seen.items()
+                      if p != self.name and p not in self.dead and now - t > self.dead_after_s]
+        for peer in newly_dead:
+            logger.warning("peer %s silent for %.1f s: planning around it", peer, now - self.last_seen[peer])
+            self.dead.add(peer)
+            if peer in self.prefill_peers:
+                worker = self.prefill_peers.index(peer)
+                self.control.view.forget_worker(worker)
+                self.control.view.reserve(f"dead/{peer}", worker, DEAD_LOAD)
+                for request_id, flight in list(self.in_flight.items()):
+                    if flight.home == worker and not flight.handed_off:
+                        self._replan(request_id, flight)
+        return newly_dead
+
+    def _replan(self, request_id: str, flight: InFlight) -> None:
+        for task in flight.tasks:
+            self.control.view.release(task)
+        attempt = flight.attempt + 1
+        self.num_replanned += 1
+        self.deliver(flight.submit.sender, wire.Replanned(sender=self.name, request_id=request_id, attempt=attempt))
+        self._plan(flight.submit, attempt)
+

@@ -1,0 +1,187 @@
+"""Messages between peer processes and their one codec (msgpack via msgspec, tagged by type).
+
+Every message names its sender peer. Request-scoped messages carry ``attempt``: a request re-planned after a
+failure gets a higher attempt, and a front end only accepts outputs of the attempt it is waiting for.
+Worker cache events travel as ``CacheEventMsg`` and become ``cluster.messages`` events at the router.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class Msg(msgspec.Struct, tag=True, kw_only=True):
+    sender: str
+
+
+class Segment(msgspec.Struct, array_like=True):
+    kind: str  # "regular" | "pic"
+    start: int
+    length: int
+
+
+class Params(msgspec.Struct, kw_only=True):
+    """``SamplingParams`` as plain fields."""
+
+    fields: dict
+
+
+# ---- membership ----
+class Hello(Msg):
+    role: str  # "prefill" | "decode"
+    worker_index: int  # prefill workers 0..N-1; -1 for decode peers
+    nixl_metadata: bytes
+    reply: bool = False  # an answer to a peer's Hello (is not answered again)
+
+
+class Heartbeat(Msg):
+    pass
+
+
+# ---- front end <-> router ----
+class Submit(Msg):
+    request_id: str
+    attempt: int
+    token_ids: list[int]
+    segments: list[Segment]
+    params: Params
+    pic_backend: str | None  # spec; "" = the engine default; None = PIC off
+
+
+class Replanned(Msg):
+    request_id: str
+    attempt: int
+
+
+# ---- router -> workers ----
+class Scatter(Msg):
+    task_id: str
+    request_id: str
+    segment_index: int
+    key: str
+    token_ids: list[int]
+    pic_backend: str
+
+
+class SourceSpec(msgspec.Struct, array_like=True):
+    segment_index: int
+    key: str
+    peer: str  # holder to fetch from ("" = this worker: local hit or compute here)
+
+
+class Combine(Msg):
+    task_id: str
+    request_id: str
+    attempt: int
+    frontend: str
+    token_ids: list[int]
+    segments: list[Segment]
+    params: Params
+    pic_backend: str | None
+    sources: list[SourceSpec]
+    local_task_ids: list[str]  # scatter tasks planned on this worker itself: done when the combine is
+    decode_peer: str  # "" = decode here
+
+
+class SnapshotRequest(Msg):
+    pass
+
+
+class PCShare(Msg):
+    pc_share: float
+
+
+# ---- workers -> router ----
+class CacheEvent(msgspec.Struct, array_like=True):
+    op: str  # "store" | "evict"
+    kind: str  # "pc" | "pic"
+    key: str
+    num_tokens: int
+    tier: str  # "device" | "host" | "disk"
+
+
+class CacheEventMsg(Msg):
+    worker_index: int
+    events: list[CacheEvent]
+    snapshot: bool = False  # True: the full index (replaces what the router knew of this worker)
+
+
+class TaskDone(Msg):
+    worker_index: int
+    task_id: str
+    request_id: str = ""
+    handed_off: bool = False  # the combine finished and the request's KV left for its decode peer
+
+
+# ---- worker <-> worker ----
+class PinSegment(Msg):
+    tag: str
+    key: str
+    num_tokens: int
+    wait_s: float  # how long to wait for the segment to appear (a scatter prefill may be on its way)
+
+
+class PinReply(Msg):
+    tag: str
+    ok: bool
+    pages: list[int] = []
+    state: bytes = b""
+
+
+class Unpin(Msg):
+    key: str
+
+
+class Handoff(Msg):
+    request_id: str
+    attempt: int
+    frontend: str
+    prompt_token_ids: list[int]
+    first_token: int
+    first_logprob: float
+    params: Params
+    pages: list[int]  # on the sender, holding the prompt's K/V
+    cached: list[int]  # prefix, PIC, recomputed token counts
+
+
+class HandoffDone(Msg):
+    request_id: str
+
+
+# ---- to the front end ----
+class Output(Msg):
+    request_id: str
+    attempt: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finished: bool
+    finish_reason: str | None
+    stop_reason: str | int | None
+    cached: list[int]  # prefix, PIC, recomputed token counts
+
+
+class Failed(Msg):
+    request_id: str
+    attempt: int
+    message: str
+    client_error: bool  # True: the request's fault (HTTP 400)
+
+
+class Abort(Msg):
+    request_id: str
+
+
+MESSAGE = (Hello | Heartbeat | Submit | Replanned | Scatter | Combine | SnapshotRequest | PCShare | CacheEventMsg
+           | TaskDone | PinSegment | PinReply | Unpin | Handoff | HandoffDone | Output | Failed | Abort)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(MESSAGE)
+
+
+def encode(message: Msg) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode(data: bytes) -> Msg:
+    return _decoder.decode(data)

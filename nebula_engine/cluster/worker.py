@@ -1,0 +1,403 @@
+"""The data plane of one peer: executes the router's commands on this peer's engine and moves KV with NIXL.
+
+- ``Scatter``: prefill one cold PIC segment alone into this worker's PIC store.
+- ``Combine``: fetch the request's remote segments (pin on the holder, NIXL read into fresh local pages,
+  store locally, unpin), then run the request on the local engine (its PIC executor finds every segment in the
+  local store and runs the combine prefill). With a decode peer, the request stops after its first token and
+  its pages are held until the decode peer has read them (``Handoff``); otherwise it decodes here.
+- ``Handoff`` (decode peers): reserve pages, read the prompt K/V from the prefill peer, continue decoding.
+- Cache events (PIC stores/evicts, plus one PC event per cached prompt segment) and task completions go to the
+  router. A failed or timed-out transfer never produces a wrong result: the segment is simply computed here.
+
+Engine state is only touched through ``AsyncLLMEngine.call`` (the engine's own thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import itertools
+import logging
+import time
+from dataclasses import replace
+from typing import Any, Callable
+
+import torch
+
+from nebula_engine.cluster import wire
+from nebula_engine.cluster.request_keys import prompt_keys
+from nebula_engine.cluster.transfer import KVTransferAgent, TransferError
+from nebula_engine.engine.async_engine import AsyncLLMEngine
+from nebula_engine.engine.llm_engine import DEFAULT_BACKEND, LLMEngine
+from nebula_engine.engine.outputs import RequestOutput
+from nebula_engine.engine.sampling_params import SamplingParams
+from nebula_engine.kvcache.events import CacheKind, EvictEvent, MoveEvent, StoreEvent
+from nebula_engine.kvcache.pool import OutOfPagesError
+from nebula_engine.pic.backends import resolve_pic_backend
+from nebula_engine.pic.segments import PromptSegment, SegmentedPrompt, SegmentKind
+
+logger = logging.getLogger(__name__)
+
+PIN_TIMEOUT_S = 10.0
+TRANSFER_TIMEOUT_S = 10.0
+
+
+def params_to_wire(params: SamplingParams) -> wire.Params:
+    fields = {name: (list(value) if isinstance(value, tuple) else value) for name, value in vars(params).items()}
+    return wire.Params(fields=fields)
+
+
+def params_from_wire(params: wire.Params) -> SamplingParams:
+    fields = {k: (tuple(v) if isinstance(v, list) else v) for k, v in params.fields.items()}
+    return SamplingParams(**fields)
+
+
+def segmented_from_wire(token_ids: list[int], segments: list[wire.Segment]) -> SegmentedPrompt:
+    return SegmentedPrompt(tuple(token_ids), tuple(PromptSegment(SegmentKind(s.kind), s.start, s.length)
+                                                   for s in segments))
+
+
+def backend_arg(spec: str | None) -> Any:
+    return DEFAULT_BACKEND if spec == "" else spec
+
+
+def engine_request_id(request_id: str, attempt: int) -> str:
+    """Attempts of one request may overlap on one engine (a re-plan while the first is still running)."""
+    return f"{request_id}#{attempt}"
+
+
+def output_to_wire(sender: str, request_id: str, output: RequestOutput, attempt: int) -> wire.Output:
+    completion = output.outputs[0]
+    return wire.Output(sender=sender, request_id=request_id, attempt=attempt, text=completion.text,
+                       token_ids=list(completion.token_ids), logprobs=list(completion.logprobs),
+                       finished=output.finished, finish_reason=completion.finish_reason,
+                       stop_reason=completion.stop_reason,
+                       cached=[output.num_prefix_cached_tokens, output.num_pic_cached_tokens,
+                               output.num_recomputed_tokens])
+
+
+def _state_bytes(state: dict) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(dict(state), buffer)
+    return buffer.getvalue()
+
+
+def _state_from_bytes(data: bytes) -> dict:
+    return torch.load(io.BytesIO(data), weights_only=True) if data else {}
+
+
+class WorkerService:
+    def __init__(self, name: str, role: str, worker_index: int, engine: AsyncLLMEngine, agent: KVTransferAgent,
+                 send: Callable[[str, wire.Msg], None], leader: Callable[[], str | None]):
+        self.name, self.role, self.worker_index = name, role, worker_index
+        self.engine = engine
+        self.agent = agent
+        self.send = send
+        self.leader = leader
+        self._tags = itertools.count()
+        self._pin_replies: dict[str, asyncio.Future] = {}
+        self._appeared: dict[str, asyncio.Event] = {}  # PIC key -> set when a scatter prefill stored it
+        self._pinned: dict[str, list] = {}  # key -> locked entries pinned for remote readers
+        self._handoffs: dict[str, asyncio.Future] = {}  # request id -> done when the decode peer has read
+        self._streams: dict[str, asyncio.Task] = {}  # request id -> task serving it here
+        self._pc_page_keys: dict[str, set[str]] = {}  # radix page hash -> segment chain keys ending in it
+        self.transfer_bytes = 0
+        self.transfer_failures = 0
+        self.evictions = {"pc": 0, "pic": 0}  # device evictions (and demotions) seen in the cache events
+
+    # ---- router commands ----
+    async def on_scatter(self, msg: wire.Scatter) -> None:
+        try:
+            backend = resolve_pic_backend(msg.pic_backend, self.engine.engine.model_runner.model)
+
+            def prefill(engine: LLMEngine) -> None:
+                found = engine.model_runner.pic_executor.lookup_or_prefill(backend, msg.token_ids)
+                if found is not None:
+                    engine.cache_store.pic.unlock(found)
+
+            await self.engine.call(prefill)
+            self._appeared.setdefault(msg.key, asyncio.Event()).set()
+        except Exception:
+            logger.exception("scatter prefill %s failed", msg.task_id)
+        finally:
+            self._report(wire.TaskDone(sender=self.name, worker_index=self.worker_index, task_id=msg.task_id,
+                                       request_id=msg.request_id))
+
+    async def on_combine(self, msg: wire.Combine) -> None:
+        task = asyncio.current_task()
+        self._streams[msg.request_id] = task
+        handed_off = False
+        try:
+            segmented = segmented_from_wire(msg.token_ids, msg.segments)
+            params = params_from_wire(msg.params)
+            backend = backend_arg(msg.pic_backend)
+            remote = [s for s in msg.sources if s.peer and s.peer != self.name]
+            if remote:
+                await asyncio.gather(*(self._fetch(s, segmented, msg.pic_backend) for s in remote))
+            if msg.decode_peer and msg.decode_peer != self.name:
+                handed_off = await self._prefill_and_hand_off(msg, segmented, params, backend)
+            else:
+                await self._serve_locally(msg, segmented, params, backend)
+            self._report_prompt_cached(segmented, msg.pic_backend)
+        except ValueError as error:
+            self.send(msg.frontend, wire.Failed(sender=self.name, request_id=msg.request_id, attempt=msg.attempt,
+                                                message=str(error), client_error=True))
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:
+            logger.exception("combine of %s failed", msg.request_id)
+            self.send(msg.frontend, wire.Failed(sender=self.name, request_id=msg.request_id, attempt=msg.attempt,
+                                                message=f"prefill failed: {error!r}", client_error=False))
+        finally:
+            self._streams.pop(msg.request_id, None)
+            for task_id in [msg.task_id, *msg.local_task_ids]:
+                self._report(wire.TaskDone(sender=self.name, worker_index=self.worker_index, task_id=task_id,
+                                           request_id=msg.request_id, handed_off=handed_off))
+
+    async def _serve_locally(self, msg: wire.Combine, segmented, params, backend) -> None:
+        engine_id = engine_request_id(msg.request_id, msg.attempt)
+        async for output in self.engine.generate(engine_id, segmented, params, backend):
+            self.send(msg.frontend, output_to_wire(self.name, msg.request_id, output, msg.attempt))
+
+    async def _prefill_and_hand_off(self, msg: wire.Combine, segmented, params, backend) -> bool:
+        engine_id = engine_request_id(msg.request_id, msg.attempt)
+        first = await self.engine.generate_held(engine_id, segmented, replace(params, max_tokens=1), backend)
+        completion = first.outputs[0]
+        done_here = completion.finish_reason == "stop" or params.max_tokens == 1
+        if done_here:  # finished on its first token: nothing to hand off
+            await self.engine.call(lambda e: e.release_held(engine_id))
+            self.send(msg.frontend, output_to_wire(self.name, msg.request_id, first, msg.attempt))
+            return False
+        first.finished = False
+        first.outputs[0].finish_reason = None
+        self.send(msg.frontend, output_to_wire(self.name, msg.request_id, first, msg.attempt))  # first token (TTFT)
+        pages = await self.engine.call(lambda e: e.held_block_table(engine_id))
+        handoff_done = asyncio.get_running_loop().create_future()
+        self._handoffs[engine_id] = handoff_done
+        self.send(msg.decode_peer, wire.Handoff(
+            sender=self.name, request_id=msg.request_id, attempt=msg.attempt, frontend=msg.frontend,
+            prompt_token_ids=list(first.prompt_token_ids), first_token=completion.token_ids[0],
+            first_logprob=completion.logprobs[0], params=msg.params, pages=pages,
+            cached=[first.num_prefix_cached_tokens, first.num_pic_cached_tokens, first.num_recomputed_tokens]))
+        try:
+            await asyncio.wait_for(handoff_done, TRANSFER_TIMEOUT_S + 5)
+        except asyncio.TimeoutError:
+            logger.warning("decode peer %s did not confirm the hand-off of %s", msg.decode_peer, msg.request_id)
+        finally:
+            self._handoffs.pop(engine_id, None)
+            await self.engine.call(lambda e: e.release_held(engine_id))
+        return True
+
+    def on_handoff_done(self, msg: wire.HandoffDone) -> None:
+        future = self._handoffs.get(msg.request_id)
+        if future is not None and not future.done():
+            future.set_result(True)
+
+    # ---- remote segments ----
+    async def _fetch(self, source: wire.SourceSpec, segmented: SegmentedPrompt, spec: str | None) -> None:
+        """Copy segment ``source`` from its holder into the local PIC store; on any failure it stays
+        uncached here and the combine computes it."""
+        segment = segmented.pic_segments[source.segment_index]
+        ids = list(segmented.segment_ids(segment))
+        tag = f"{self.name}/{next(self._tags)}"
+        reply_future = asyncio.get_running_loop().create_future()
+        self._pin_replies[tag] = reply_future
+        self.send(source.peer, wire.PinSegment(sender=self.name, tag=tag, key=source.key, num_tokens=len(ids),
+                                               wait_s=PIN_TIMEOUT_S / 2))
+        try:
+            reply = await asyncio.wait_for(reply_future, PIN_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            self.transfer_failures += 1
+            logger.warning("no pin reply from %s for %s", source.peer, source.key)
+            return
+        finally:
+            self._pin_replies.pop(tag, None)
+        if not reply.ok:
+            return
+        try:
+            await self._copy_in(source, ids, reply)
+        finally:
+            self.send(source.peer, wire.Unpin(sender=self.name, key=source.key))
+
+    async def _copy_in(self, source: wire.SourceSpec, ids: list[int], reply: wire.PinReply) -> None:
+        def allocate(engine: LLMEngine):
+            if engine.cache_store.pic.lookup(source.key) is not None:
+                return None  # it arrived here meanwhile
+            try:
+                return engine.cache_store.pool.allocate(len(reply.pages))
+            except OutOfPagesError:
+                return None
+
+        pages = await self.engine.call(allocate)
+        if pages is None:
+            return
+        try:
+            moved = await asyncio.to_thread(self.agent.read_pages, source.peer, reply.pages, pages,
+                                            TRANSFER_TIMEOUT_S)
+            self.transfer_bytes += moved
+        except (TransferError, ValueError) as error:
+            self.transfer_failures += 1
+            logger.warning("reading %s from %s failed (%s): it will be recomputed", source.key, source.peer, error)
+            await self.engine.call(lambda e: e.cache_store.pool.release(pages))
+            return
+        state = _state_from_bytes(reply.state)
+
+        def insert(engine: LLMEngine) -> None:
+            entry = engine.cache_store.insert_segment(source.key, len(ids), pages, state)
+            engine.cache_store.pic.unlock(entry)
+            engine.cache_store.pool.release(pages)  # the store holds its own reference
+
+        await self.engine.call(insert)
+
+    async def on_pin(self, msg: wire.PinSegment) -> None:
+        def pin(engine: LLMEngine):
+            entry = engine.cache_store.lookup_segment(msg.key, msg.num_tokens)  # locked
+            if entry is None:
+                return None
+            self._pinned.setdefault(msg.key, []).append(entry)
+            return list(entry.pages), _state_bytes(entry.state)
+
+        found = await self.engine.call(pin)
+        if found is None and msg.wait_s > 0:  # a scatter prefill of it may still be queued or running here
+            event = self._appeared.setdefault(msg.key, asyncio.Event())
+            try:
+                await asyncio.wait_for(event.wait(), msg.wait_s)
+                found = await self.engine.call(pin)
+            except asyncio.TimeoutError:
+                pass
+        pages, state = found if found is not None else ([], b"")
+        self.send(msg.sender, wire.PinReply(sender=self.name, tag=msg.tag, ok=found is not None, pages=pages,
+                                            state=state))
+
+    def on_pin_reply(self, msg: wire.PinReply) -> None:
+        future = self._pin_replies.get(msg.tag)
+        if future is not None and not future.done():
+            future.set_result(msg)
+
+    async def on_unpin(self, msg: wire.Unpin) -> None:
+        def unpin(engine: LLMEngine) -> None:
+            entries = self._pinned.get(msg.key)
+            if entries:
+                engine.cache_store.pic.unlock(entries.pop())
+                if not entries:
+                    del self._pinned[msg.key]
+
+        await self.engine.call(unpin)
+
+    # ---- decode side ----
+    async def on_handoff(self, msg: wire.Handoff) -> None:
+        task = asyncio.current_task()
+        self._streams[msg.request_id] = task
+        params = params_from_wire(msg.params)
+        prompt = list(msg.prompt_token_ids)
+        engine_id = engine_request_id(msg.request_id, msg.attempt)
+        try:
+            try:
+                pages = await self.engine.call(lambda e: e.reserve_prefilled(engine_id, len(prompt)))
+                moved = await asyncio.to_thread(self.agent.read_pages, msg.sender, msg.pages[:len(pages)], pages,
+                                                TRANSFER_TIMEOUT_S)
+                self.transfer_bytes += moved
+                stream = self.engine.generate_prefilled(engine_id, prompt, msg.first_token, msg.first_logprob,
+                                                        params, tuple(msg.cached))
+            except (TransferError, ValueError, OutOfPagesError) as error:
+                self.transfer_failures += 1
+                logger.warning("hand-off of %s failed (%s): prefilling it here", msg.request_id, error)
+                await self.engine.call(lambda e: e.cancel_prefilled(engine_id))
+                stream = self.engine.generate(engine_id, prompt, params, None)  # recompute, never a wrong result
+            finally:
+                self.send(msg.sender, wire.HandoffDone(sender=self.name, request_id=engine_id))
+            async for output in stream:
+                self.send(msg.frontend, output_to_wire(self.name, msg.request_id, output, msg.attempt))
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:
+            logger.exception("decode of %s failed", msg.request_id)
+            self.send(msg.frontend, wire.Failed(sender=self.name, request_id=msg.request_id, attempt=msg.attempt,
+                                                message=f"decode failed: {error!r}", client_error=False))
+        finally:
+            self._streams.pop(msg.request_id, None)
+
+    def on_abort(self, msg: wire.Abort) -> None:
+        task = self._streams.get(msg.request_id)
+        if task is not None:
+            task.cancel()
+
+    # ---- events to the router ----
+    def _report(self, message: wire.Msg) -> None:
+        leader = self.leader()
+        if leader is None:
+            return
+        if leader == self.name:
+            self.local_router(message)
+        else:
+            self.send(leader, message)
+
+    local_router: Callable[[wire.Msg], None] = staticmethod(lambda message: None)
+
+    def _report_prompt_cached(self, segmented: SegmentedPrompt, spec: str | None) -> None:
+        """Ask the engine thread to report the prompt's cached segments as PC entries (segment granularity)."""
+        asyncio.get_running_loop().create_task(self._pc_events(segmented, spec))
+
+    async def _pc_events(self, segmented: SegmentedPrompt, spec: str | None) -> None:
+        engine = self.engine.engine
+        if engine.scheduler.prefix_cache is None:
+            return
+
+        def collect(engine: LLMEngine) -> list[wire.CacheEvent]:
+            executor = engine.model_runner.pic_executor
+            backend = engine.pic_backend if spec == "" else resolve_pic_backend(spec or "full", engine.model_runner.model)
+            keys = prompt_keys("", [(s.kind.value, segmented.segment_ids(s)) for s in segmented.segments],
+                               lambda ids: executor.segment_key(backend, ids) if backend else "")
+            radix, page_size = engine.cache_store.radix, engine.cache_store.page_size
+            events = []
+            for segment, key in zip(segmented.segments, keys.pc_keys):
+                pages = -(-segment.end // page_size)
+                match = radix.match_prefix(list(segmented.token_ids[:pages * page_size]))
+                if len(match.pages) < pages:
+                    break  # this segment's last page is not (or no longer) cached
+                self._pc_page_keys.setdefault(match.last_node.block_hash, set()).add(key)
+                events.append(wire.CacheEvent("store", "pc", key, segment.end, "device"))
+            return events
+
+        events = await self.engine.call(collect)
+        if events:
+            self._report(wire.CacheEventMsg(sender=self.name, worker_index=self.worker_index, events=events))
+
+    async def pump_events(self, snapshot: bool = False) -> None:
+        """Send the engine's cache events since the last call (or, with ``snapshot``, its whole PIC index)."""
+        if self.role != "prefill":
+            return
+
+        def drain(engine: LLMEngine):
+            store = engine.cache_store
+            if store is None:
+                return []
+            drained = store.drain_events()
+            if snapshot:
+                return [wire.CacheEvent("store", "pic", e.key, e.num_tokens, "device") for e in store.pic.entries()]
+            return [event for raw in drained for event in self._translate(raw)]
+
+        events = await self.engine.call(drain)
+        if events or snapshot:
+            self._report(wire.CacheEventMsg(sender=self.name, worker_index=self.worker_index, events=events,
+                                            snapshot=snapshot))
+
+    def _translate(self, event) -> list[wire.CacheEvent]:
+        if isinstance(event, EvictEvent) or (isinstance(event, MoveEvent) and event.src.value == "device"):
+            self.evictions[event.kind.value] += len(event.keys)
+        if event.kind is CacheKind.PC:  # page events: only the loss of a segment's last page matters here
+            if isinstance(event, EvictEvent) or (isinstance(event, MoveEvent) and event.dst.value != "device"):
+                return [wire.CacheEvent("evict", "pc", key, 0, "device")
+                        for page in event.keys for key in self._pc_page_keys.pop(page, ())]
+            return []
+        key = event.keys[0]
+        if isinstance(event, StoreEvent):
+            return [wire.CacheEvent("store", "pic", key, event.num_tokens, event.tier.value)]
+        if isinstance(event, EvictEvent):
+            return [wire.CacheEvent("evict", "pic", key, event.num_tokens, event.tier.value)]
+        return [wire.CacheEvent("evict", "pic", key, event.num_tokens, event.src.value),
+                wire.CacheEvent("store", "pic", key, event.num_tokens, event.dst.value)]
+
+
+def monotonic() -> float:
+    return time.monotonic()
