@@ -15,10 +15,11 @@ def _register() -> None:
     from nebula_engine.bench.commands import bench
     from nebula_engine.cluster.commands import simulate
     from nebula_engine.engine.commands import generate
+    from nebula_engine.engine.prefill_command import prefill
     from nebula_engine.server.commands import serve
     from nebula_engine.workloads.commands import analyze
 
-    for command in (generate, analyze, simulate, serve, bench):
+    for command in (generate, analyze, simulate, serve, bench, prefill):
         main.add_command(command)
 
 

@@ -168,6 +168,18 @@ class CacheStore:
                 break
         return self.pool.num_free_pages - start
 
+    def evict_all(self) -> int:
+        """Evict every unlocked entry now, PC then PIC, each as pool pressure would: moved to the tiers below
+        when they take it, else dropped. Returns how many entries left the device.
+
+        Offline prefill uses it to push each segment it computed straight down to the disk tier.
+        """
+        count = 0
+        for store in (self.radix, self.pic):
+            while store.evict_one() is not None:
+                count += 1
+        return count
+
     def _evict_kind(self, kind: CacheKind) -> bool:
         store = self.radix if kind is CacheKind.PC else self.pic
         return store.evict_one() is not None

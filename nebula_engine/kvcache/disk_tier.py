@@ -91,6 +91,13 @@ class DiskTier:
         with self._lock:
             return ident in self._entries
 
+    def is_written(self, kind: str, key: str) -> bool:
+        """Whether (kind, key) is completely on disk and in the index; False while its write is pending, after
+        a failed write, or when it is not held."""
+        with self._lock:
+            entry = self._entries.get((kind, key))
+        return entry is not None and bool(entry.sha256)
+
     def put(self, kind: str, key: str, num_tokens: int, payload: Any) -> Future:
         """Store ``payload`` under (kind, key) in the background; the entry is held from now on."""
         ident = (kind, key)
