@@ -36,8 +36,10 @@ class _Pending:
 
 class ClusterFrontend:
     def __init__(self, name: str, engine: AsyncLLMEngine, send: Callable[[str, wire.Msg], None],
-                 leader: Callable[[], str | None], deliver_local: Callable[[wire.Msg], None]):
+                 leader: Callable[[], str | None], deliver_local: Callable[[wire.Msg], None],
+                 prefill_peers: list[str]):
         self.name = name
+        self.prefill_peers = prefill_peers
         self.engine = engine
         self.send = send
         self.leader = leader
@@ -58,8 +60,11 @@ class ClusterFrontend:
         return EngineStats(local.num_waiting, local.num_running, alive=local.alive and self.leader() is not None)
 
     async def generate(self, request_id: str, prompt, params: SamplingParams,
-                       pic_backend: str | None | object = DEFAULT_BACKEND) -> AsyncIterator[RequestOutput]:
+                       pic_backend: str | None | object = DEFAULT_BACKEND,
+                       route: str | None = None) -> AsyncIterator[RequestOutput]:
         engine = self.engine.engine
+        if route is not None and route not in self.prefill_peers:
+            raise ValueError(f"prefill_peer {route!r} is not a prefill peer of this cluster: {self.prefill_peers}")
         segmented = prompt if isinstance(prompt, SegmentedPrompt) else None
         token_ids = list(segmented.token_ids) if segmented is not None else list(prompt)
         engine.validate_request(token_ids, params)
@@ -73,7 +78,7 @@ class ClusterFrontend:
         if spec == "" and engine.pic_backend is None:
             spec = None
         submit = wire.Submit(sender=self.name, request_id=request_id, attempt=0, token_ids=token_ids,
-                             segments=segments, params=params_to_wire(params), pic_backend=spec)
+                             segments=segments, params=params_to_wire(params), pic_backend=spec, route=route or "")
         pending = _Pending(submit)
         self._pending[request_id] = pending
         self._submit(pending)
@@ -124,12 +129,13 @@ class ClusterFrontend:
         if pending is not None and msg.attempt > pending.attempt:
             pending.attempt, pending.started = msg.attempt, False
 
-    def on_leader_change(self, leader: str | None) -> None:
-        """Requests that have produced nothing yet go to the new leader (it knows nothing of them)."""
+    def on_leader_change(self, leader: str | None, previous: str | None = None) -> None:
+        """Requests that have produced nothing yet, or whose prefill ran on the old leader (it may have died
+        before handing them to a decode peer), go to the new leader: it knows nothing of them."""
         if leader is None:
             return
         for pending in self._pending.values():
-            if not pending.started:
+            if not pending.started or (previous is not None and pending.server == previous):
                 pending.attempt += 1
                 self.num_resubmitted += 1
                 self._submit(pending)

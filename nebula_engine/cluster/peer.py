@@ -121,7 +121,7 @@ class Peer:
                                     [p.name for p in self.spec.decode_peers], self._cluster_config(), self.spec.policy,
                                     self.send, self._pic_key, decode_here=has_linear_attention(model))
         self.frontend = ClusterFrontend(self.name, self.engine, self.messenger.send, lambda: self.leader_name,
-                                        self.dispatch)
+                                        self.dispatch, [p.name for p in self.spec.prefill_peers])
         self.election = self._election()
 
     def _cluster_config(self) -> ClusterConfig:
@@ -215,12 +215,12 @@ class Peer:
         if leader == self.leader_name:
             return
         logger.info("%s: leader is now %s", self.name, leader)
-        self.leader_name = leader
+        previous, self.leader_name = self.leader_name, leader
         if leader == self.name and not self.router.active:
             self.router.activate()
         elif leader != self.name and self.router.active:
             self.router.deactivate()
-        self.frontend.on_leader_change(leader)
+        self.frontend.on_leader_change(leader, previous)
 
     # ---- run ----
     async def run(self) -> None:
@@ -248,7 +248,9 @@ class Peer:
                                "planned": self.router.num_planned, "replanned": self.router.num_replanned,
                                "dead": sorted(self.router.dead)},
                     "transfer_bytes": self.worker.transfer_bytes, "transfer_failures": self.worker.transfer_failures,
-                    "resubmitted": self.frontend.num_resubmitted, "nixl_peers": sorted(self.agent.peers)}
+                    "resubmitted": self.frontend.num_resubmitted, "nixl_peers": sorted(self.agent.peers),
+                    "pic": vars(self.engine.engine.model_runner.pic_executor.stats)
+                    if self.engine.engine.model_runner.pic_executor else {}}
         server = uvicorn.Server(uvicorn.Config(app, host=self.me.host, port=self.me.http_port, log_level="warning",
                                                lifespan="off"))
         server.install_signal_handlers = lambda: None

@@ -46,6 +46,7 @@ class Submit(Msg):
     segments: list[Segment]
     params: Params
     pic_backend: str | None  # spec; "" = the engine default; None = PIC off
+    route: str = ""  # a prefill peer that must run the combine ("" = the planner decides)
 
 
 class Replanned(Msg):

@@ -117,12 +117,14 @@ class AsyncLLMEngine:
 
     async def generate(self, request_id: str, prompt: EnginePrompt, params: SamplingParams,
                        pic_backend: str | None | object = DEFAULT_BACKEND,
-                       hold_kv: bool = False) -> AsyncIterator[RequestOutput]:
+                       hold_kv: bool = False, route: str | None = None) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs of ``request_id`` as they are produced; the last one has ``finished`` set.
 
         Invalid input raises ``ValueError`` on the first iteration, before anything is queued. Leaving the
         iteration early (``aclose``, cancellation) aborts the request in the engine.
         """
+        if route is not None:
+            raise ValueError("prefill_peer needs a cluster; this server runs one engine")
         token_ids = list(prompt.token_ids) if isinstance(prompt, SegmentedPrompt) else prompt
         self.engine.validate_request(token_ids, params)
         channel = _OutputChannel(asyncio.get_running_loop())

@@ -80,7 +80,9 @@ class _Server:
                            param="model", code="model_not_found")
         engine_input = make_input()
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
-        stream = self.client.generate(request_id, engine_input.prompt, engine_input.params, engine_input.pic_backend)
+        route = {"route": engine_input.route} if engine_input.route is not None else {}
+        stream = self.client.generate(request_id, engine_input.prompt, engine_input.params, engine_input.pic_backend,
+                                      **route)
         first = await self._first_output(stream)
         self.metrics.on_first_output(first, time.perf_counter() - arrival)
         if body.stream:

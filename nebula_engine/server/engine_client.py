@@ -29,8 +29,9 @@ class EngineClient(Protocol):
         """Prompt + generated tokens one request may hold."""
 
     def generate(self, request_id: str, prompt: EnginePrompt, params: SamplingParams,
-                 pic_backend: str | None | object = DEFAULT_BACKEND) -> AsyncIterator[RequestOutput]:
-        """Cumulative outputs, the last one ``finished``. ``ValueError`` (on the first iteration) means the
+                 pic_backend: str | None | object = DEFAULT_BACKEND, route: str | None = None
+                 ) -> AsyncIterator[RequestOutput]:
+        """Cumulative outputs, the last one ``finished``. ``route`` (clusters): the peer that runs the prefill. ``ValueError`` (on the first iteration) means the
         request is invalid; ``EngineError`` means the engine failed it. Closing the iterator early aborts."""
 
     def abort(self, request_id: str) -> None:

@@ -22,6 +22,7 @@ class EngineInput:
     prompt: EnginePrompt
     params: SamplingParams
     pic_backend: object  # a backend spec, None (PIC off), or DEFAULT_BACKEND (the engine's)
+    route: str | None = None  # cluster: the prefill peer that must run the combine
 
 
 def completion_input(request: CompletionRequest, tokenizer: Tokenizer, max_model_len: int) -> EngineInput:
@@ -79,4 +80,4 @@ def _engine_input(request: SamplingFields, prompt: EnginePrompt, prompt_param: s
     except ValueError as exc:
         raise APIError(str(exc)) from exc
     backend = request.pic_backend if "pic_backend" in request.model_fields_set else DEFAULT_BACKEND
-    return EngineInput(prompt, params, backend)
+    return EngineInput(prompt, params, backend, request.prefill_peer)

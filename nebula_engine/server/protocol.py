@@ -46,6 +46,7 @@ class SamplingFields(_Strict):
     frequency_penalty: float = 0.0
     user: Optional[str] = None  # accepted and ignored, as OpenAI documents it (end-user id for abuse tracking)
     pic_backend: Optional[StrictStr] = None  # absent: the engine's default; null: PIC off for this request
+    prefill_peer: Optional[StrictStr] = None  # cluster only: run the combine prefill on this peer (debugging, tests)
 
     @model_validator(mode="after")
     def _only_supported(self):

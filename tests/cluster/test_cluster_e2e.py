@@ -1,0 +1,169 @@
+"""A real cluster on 127.0.0.1: one process per peer, tiny model, NIXL between peers, Raft election.
+
+Processes are started by ``LocalCluster`` and stopped by it (by pid) in the fixtures' finalizers.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+
+from nebula_engine import LLM
+from nebula_engine.cluster.launcher import LocalCluster, local_spec
+from nebula_engine.cluster.transfer import nixl_available
+from nebula_engine.engine.sampling_params import SamplingParams
+from tests.model_cases import CASES_BY_NAME, checkpoint_factory  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed")
+
+ENGINE = {"page_size": 4, "num_pages": 1024}
+MAX_TOKENS = 6
+
+
+def post(url: str, path: str, body: dict, timeout: float = 120.0) -> tuple[int, dict]:
+    request = urllib.request.Request(url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read() or b"{}")
+
+
+def documents(seed: int, count: int, length: int = 24) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 1000) for _ in range(length)] for _ in range(count)]
+
+
+def rag_segments(system: list[int], docs: list[list[int]], question: list[int]) -> list[dict]:
+    return ([{"kind": "regular", "token_ids": system}] + [{"kind": "pic", "token_ids": d} for d in docs]
+            + [{"kind": "regular", "token_ids": question}])
+
+
+def completion(model: str, segments: list[dict], **extra) -> dict:
+    return {"model": model, "prompt": [t for s in segments for t in s["token_ids"]], "segments": segments,
+            "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, **extra}
+
+
+@pytest.fixture(scope="module")
+def model_dir(checkpoint_factory):
+    return str(checkpoint_factory(CASES_BY_NAME["qwen3_gqa2_hd20"]))
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir, tmp_path_factory):
+    """2 prefill + 1 decode peers, nebula policy."""
+    with LocalCluster(model_dir, local_spec(2, 1), ENGINE, log_dir=tmp_path_factory.mktemp("logs")) as running:
+        yield running
+
+
+def test_segment_cached_on_one_peer_is_reused_on_another_via_nixl(cluster, model_dir):
+    system_a, system_b, question = [11] * 8, [12] * 8, [13, 14, 15, 16, 17]
+    docs = documents(seed=1, count=3)
+    url = cluster.urls["decode-0"]  # any peer is a front end
+    first = completion(model_dir, rag_segments(system_a, docs, question), prefill_peer="prefill-0")
+    status, body = post(url, "/v1/completions", first)
+    assert status == 200, body
+    before = cluster.state("prefill-1")["transfer_bytes"]
+    permuted = rag_segments(system_b, docs[::-1], question)
+    status, remote = post(url, "/v1/completions", completion(model_dir, permuted, prefill_peer="prefill-1"))
+    assert status == 200, remote
+    assert cluster.state("prefill-1")["transfer_bytes"] > before  # the segments came from prefill-0
+    assert remote["usage"]["nebula"]["pic_cached_tokens"] == 72
+    assert cluster.state("prefill-1")["pic"]["segment_misses"] == 0
+
+    # the same two requests on one engine: local reuse gives the same tokens
+    llm = LLM(model_dir, **ENGINE)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    to_pairs = lambda segments: [(s["kind"], s["token_ids"]) for s in segments]  # noqa: E731
+    llm.generate({"segments": to_pairs(first["segments"])}, params)
+    local = llm.generate({"segments": to_pairs(permuted)}, params)[0]
+    assert local.num_pic_cached_tokens == 72
+    assert remote["choices"][0]["text"] == local.outputs[0].text
+
+
+def test_cold_segments_of_one_request_are_prefilled_on_several_peers(cluster, model_dir):
+    misses = {name: cluster.state(name)["pic"]["segment_misses"] for name in ("prefill-0", "prefill-1")}
+    docs = documents(seed=2, count=6, length=40)
+    status, body = post(cluster.urls["prefill-1"], "/v1/completions",
+                        completion(model_dir, rag_segments([21] * 8, docs, [22, 23, 24])))
+    assert status == 200, body
+    grown = {name: cluster.state(name)["pic"]["segment_misses"] - misses[name] for name in misses}
+    assert sum(grown.values()) == 6 and all(count > 0 for count in grown.values()), grown
+    assert body["usage"]["nebula"]["pic_cached_tokens"] == 240
+
+
+def test_openai_client_streams_a_chat_with_pic_tags(cluster, model_dir):
+    import openai
+
+    client = openai.OpenAI(base_url=cluster.urls["prefill-1"] + "/v1", api_key="unused")
+    stream = client.chat.completions.create(
+        model=model_dir, stream=True, max_tokens=MAX_TOKENS, temperature=0,
+        messages=[{"role": "user", "content": "Read <pic>the owl document</pic> and <pic>the cat one</pic>. Owls?"}])
+    pieces = [chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices]
+    assert len(pieces) >= 2 and "".join(pieces)
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"prompt": "hi", "max_tokens": 2}, "model"),
+    ({"model": "nope", "prompt": "hi"}, "model"),
+    ({"model": "M", "prompt": "a <pic>unclosed"}, "unclosed <pic>"),
+    ({"model": "M", "prompt": "hi", "max_tokens": "x"}, "max_tokens"),
+    ({"model": "M", "prompt": "hi", "prefill_peer": "prefill-9"}, "prefill_peer"),
+    ({"model": "M", "prompt": "hi", "pic_backend": "bogus"}, "unknown PIC backend"),
+])
+def test_bad_input_gets_a_400_and_the_cluster_keeps_serving(cluster, model_dir, body, needle):
+    body = {k: (model_dir if v == "M" else v) for k, v in body.items()}
+    status, error = post(cluster.urls["prefill-0"], "/v1/completions", body)
+    assert status == 400 and needle in error["error"]["message"], error
+    status, ok = post(cluster.urls["prefill-0"], "/v1/completions",
+                      {"model": model_dir, "prompt": "hello there", "max_tokens": 2})
+    assert status == 200 and ok["usage"]["completion_tokens"] == 2
+
+
+@pytest.fixture
+def failover_cluster(model_dir, tmp_path):
+    """3 prefill + 2 decode peers: a majority survives losing two of them."""
+    with LocalCluster(model_dir, local_spec(3, 2), ENGINE, log_dir=tmp_path / "logs") as running:
+        yield running
+
+
+def run_concurrently(url: str, bodies: list[dict]) -> list[tuple[int, dict]]:
+    results: list = [None] * len(bodies)
+
+    def one(i: int) -> None:
+        results[i] = post(url, "/v1/completions", bodies[i], timeout=180)
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
+    for thread in threads:
+        thread.start()
+    return results, threads
+
+
+def test_losing_a_prefill_peer_and_then_the_leader_loses_no_request(failover_cluster, model_dir):
+    cluster = failover_cluster
+    leader = cluster.leader()
+    victim = next(p for p in ("prefill-0", "prefill-1", "prefill-2") if p != leader)
+    front = next(p for p in cluster.urls if p not in (leader, victim))
+    bodies = [completion(model_dir, rag_segments([31 + i] * 8, documents(100 + i, 3), [40, 41]),
+                         max_tokens=12, **({"prefill_peer": victim} if i % 2 else {})) for i in range(8)]
+    results, threads = run_concurrently(cluster.urls[front], bodies)
+    cluster.stop_peer(victim, kill=True)  # mid-run: some requests were planned on it
+    for thread in threads:
+        thread.join()
+    assert [status for status, _ in results] == [200] * 8, results
+    assert all(body["usage"]["completion_tokens"] == 12 for _, body in results)
+    assert victim in cluster.state(leader)["router"]["dead"]
+
+    cluster.stop_peer(leader, kill=True)
+    cluster.wait_ready(timeout=60)
+    new_leader = cluster.leader()
+    assert new_leader not in (leader, victim)
+    results, threads = run_concurrently(cluster.urls[front], bodies[:3])
+    for thread in threads:
+        thread.join()
+    assert [status for status, _ in results] == [200] * 3, results
