@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 run: install
-	$(BIN)/nebula-engine generate
+	$(BIN)/nebula-engine compare
 
 test: install
 	$(BIN)/pytest

@@ -12,6 +12,7 @@ def main() -> None:
 
 
 def _register() -> None:
+    from nebula_engine.bench.cluster_compare import compare_command
     from nebula_engine.bench.commands import bench
     from nebula_engine.cluster.commands import simulate
     from nebula_engine.engine.commands import generate
@@ -19,7 +20,7 @@ def _register() -> None:
     from nebula_engine.server.commands import serve
     from nebula_engine.workloads.commands import analyze
 
-    for command in (generate, analyze, simulate, serve, bench, prefill):
+    for command in (generate, analyze, simulate, serve, bench, prefill, compare_command):
         main.add_command(command)
 
 

@@ -131,12 +131,32 @@ class Peer:
         bytes_per_token = sum(t[0].numel() * t.element_size() for tensors in storage.layer_caches for t in tensors
                               ) // storage.page_size
         base = ClusterProfile.load()
-        loopback = TransferLink(bandwidth_bytes_per_s=1.0e9, latency_s=2e-4)
+        # loopback NIXL moves ~1 GB/s; a remote segment also costs a pin round trip and two engine-thread hops
+        loopback = TransferLink(bandwidth_bytes_per_s=1.0e9, latency_s=0.01)
         profile = replace(base, name="local-cpu", kv_bytes_per_token=max(1, bytes_per_token), intra_node=loopback,
                           inter_node=loopback, gpus_per_node=len(self.spec.peers),
                           cache_capacity_tokens=storage.num_pages * storage.page_size,
-                          prefill=replace(base.prefill, per_token_s=1e-4, fixed_s=0.01))
+                          prefill=replace(base.prefill, per_token_s=self._measure_prefill_per_token(), fixed_s=0.01))
         return ClusterConfig(num_prefill_workers=len(self.spec.prefill_peers), profile=profile)
+
+    def _measure_prefill_per_token(self, tokens: int = 256) -> float:
+        """Seconds per prefilled token of this model here (best of 3 forwards): the planner's cost unit."""
+        import time
+
+        import torch
+
+        from nebula_engine.kernels.attention import AttentionContext
+
+        model = self.engine.engine.model_runner.model
+        device = next(model.parameters()).device
+        ids = torch.randint(100, 1000, (tokens,), device=device)
+        best = float("inf")
+        with torch.inference_mode():
+            for _ in range(3):
+                start = time.perf_counter()
+                model.forward(ids, torch.arange(tokens, device=device), AttentionContext.dense([tokens]))
+                best = min(best, time.perf_counter() - start)
+        return best / tokens
 
     def _pic_key(self, spec: str | None, ids: list[int]) -> str:
         engine = self.engine.engine

@@ -26,8 +26,27 @@ import click
 @click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=2048, show_default=True)
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
-def serve(model, served_model_name, host, port, log_level, **engine_options):
-    """Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics."""
+@click.option("--prefill-workers", type=click.IntRange(min=1), default=None,
+              help="Start a local cluster of this many prefill peers (HTTP on --port, --port+1, ...).")
+@click.option("--decode-workers", type=click.IntRange(min=0), default=1, show_default=True,
+              help="Decode peers of the local cluster (0: prefill peers also decode).")
+@click.option("--policy", type=click.Choice(["pc", "local-pic", "nebula"]), default="nebula", show_default=True,
+              help="Cluster routing policy.")
+@click.option("--cluster", "cluster_file", type=click.Path(dir_okay=False, exists=True, path_type=Path),
+              help="Run ONE peer of the cluster described by this spec JSON (needs --name).")
+@click.option("--name", help="This peer's name in --cluster.")
+@click.option("--role", type=click.Choice(["prefill", "decode"]), help="Checked against the peer's role in --cluster.")
+@click.option("--etcd", help="HOST:PORT of an etcd to elect the leader with (default: embedded Raft).")
+def serve(model, served_model_name, host, port, log_level, prefill_workers, decode_workers, policy, cluster_file,
+          name, role, etcd, **engine_options):
+    """Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics.
+
+    One engine by default; --prefill-workers N starts a whole local cluster (one process per peer, no external
+    service); --cluster SPEC --name X runs one peer of a cluster spread over machines."""
+    if cluster_file is not None or prefill_workers is not None:
+        _serve_cluster(model, served_model_name, host, port, log_level, prefill_workers, decode_workers, policy,
+                       cluster_file, name, role, etcd, engine_options)
+        return
     import uvicorn
 
     from nebula_engine.server.api import build_app
@@ -56,3 +75,50 @@ def _start_engine(model: str | None, engine_options: dict):
         return AsyncLLMEngine.from_config(EngineConfig.create(model or str(default_model_dir()), **options))
     except (OSError, ValueError) as exc:  # a missing checkpoint, a bad option value (PIC backend spec, sizes)
         raise click.UsageError(f"cannot start the engine: {exc}") from exc
+
+
+def _serve_cluster(model, served_model_name, host, port, log_level, prefill_workers, decode_workers, policy,
+                   cluster_file, name, role, etcd, engine_options) -> None:
+    import asyncio
+    import logging
+    import signal
+    import threading
+
+    from nebula_engine.cluster.launcher import LocalCluster, local_spec
+    from nebula_engine.cluster.peer import ClusterSpec, Peer
+    from nebula_engine.engine.commands import default_model_dir
+
+    options = {k: v for k, v in engine_options.items() if v is not None}
+    if options.get("pic_backend") == "none":
+        options["pic_backend"] = None
+    model = str(Path(model).expanduser().resolve()) if model else str(default_model_dir())
+    if cluster_file is not None:
+        if not name:
+            raise click.UsageError("--cluster needs --name (this peer's name in the spec)")
+        try:
+            spec = ClusterSpec.from_json(cluster_file.read_text())
+            peer = spec.peer(name)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise click.UsageError(f"bad cluster spec {cluster_file}: {exc}") from exc
+        if role is not None and role != peer.role:
+            raise click.UsageError(f"--role {role} but {name} is a {peer.role} peer in {cluster_file}")
+        logging.basicConfig(level=log_level.upper())
+        asyncio.run(Peer(spec, name, options, model, served_model_name or model).run())
+        return
+    try:
+        spec = local_spec(prefill_workers, decode_workers, host, port, policy, etcd)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    cluster = LocalCluster(model, spec, options, served_model_name or model, log_level=log_level)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        cluster.start()
+        click.echo(f"cluster of {prefill_workers} prefill + {decode_workers} decode peers ({policy}), "
+                   f"leader {cluster.leader()}; logs in {cluster.log_dir}", err=True)
+        for peer_name, url in cluster.urls.items():
+            click.echo(f"  {peer_name}: {url}", err=True)
+        stop.wait()
+    finally:
+        cluster.stop()
