@@ -16,6 +16,7 @@ from typing import Sequence
 
 import torch
 
+from nebula_engine.kernels.pic_dispatch import pic_op
 from nebula_engine.model.rotary import RotaryEmbedding, apply_rotary
 
 Delta = int | torch.Tensor  # one shift for all tokens, or a LongTensor [T] of per-token shifts
@@ -80,11 +81,14 @@ def shift_cached_keys(cache: torch.Tensor, slots: torch.Tensor, delta: Delta, ro
     ``cache`` is a K cache [P, S, Hkv, D] (leading rotary dims re-rotated) or, with ``latent_rope_dim`` Dr, an
     MLA latent cache [P, S, R + Dr] (its last Dr columns, k_pe, re-rotated).
     """
+    rotary_dim = 2 * rotary.inv_freq.numel()
+    cos, sin = rotary.cos_sin(_delta_positions(delta, slots.numel(), cache.device), scaled=False)
+    rotate = pic_op("rotate_cached_keys", cache.device)
+    interleaved = rotary.style == "interleaved"
     if latent_rope_dim is None:
-        rotary_dim = 2 * rotary.inv_freq.numel()
-        flat = cache.view(-1, *cache.shape[2:])
-        flat[slots, :, :rotary_dim] = shift_keys(flat[slots, :, :rotary_dim], delta, rotary)
+        rotate(cache.view(-1, *cache.shape[2:]), slots, cos, sin, rotary_dim, interleaved)
     else:
-        flat = cache.view(-1, cache.shape[-1])
-        k_pe = flat[slots, -latent_rope_dim:]
-        flat[slots, -latent_rope_dim:] = shift_keys(k_pe[:, None, :], delta, rotary)[:, 0]
+        if rotary_dim != latent_rope_dim:
+            raise ValueError(f"rotary rotates {rotary_dim} dims, k_pe has {latent_rope_dim}")
+        rotate(cache.view(-1, cache.shape[-1]), slots, cos, sin, rotary_dim, interleaved,
+               col_offset=cache.shape[-1] - latent_rope_dim)

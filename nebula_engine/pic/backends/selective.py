@@ -20,7 +20,8 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from nebula_engine.kernels.pic_ops import kv_deviation, select_top_tokens
+from nebula_engine.kernels.pic_dispatch import pic_op
+from nebula_engine.kernels.pic_ops import select_top_tokens
 from nebula_engine.pic.backends.base import PICBackend
 from nebula_engine.pic.combine import (CombineResult, CombineRun, RecordingAttentionContext, blended_forward,
                                        cached_values)
@@ -103,7 +104,7 @@ class CacheBlend(CheckLayerBackend):
         reused, old = before
         if reused.numel() == 0:
             return torch.arange(rows.numel(), device=rows.device)
-        deviation = kv_deviation(old, cached_values(run, layer_idx, reused, self.deviation))
+        deviation = pic_op("kv_deviation", old.device)(old, cached_values(run, layer_idx, reused, self.deviation))
         return self.keep(run, rows, deviation, self._ratios()[self.check_layers.index(layer_idx)])
 
 

@@ -1,0 +1,104 @@
+"""The router without processes: plans become messages, events update the view, silence triggers re-plans."""
+
+from __future__ import annotations
+
+import pytest
+
+from nebula_engine.cluster import wire
+from nebula_engine.cluster.config import ClusterConfig
+from nebula_engine.cluster.router import RouterService
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def router():
+    sent: list[tuple[str, wire.Msg]] = []
+    clock = Clock()
+    service = RouterService("prefill-0", ["prefill-0", "prefill-1"], ["decode-0"], ClusterConfig(num_prefill_workers=2),
+                            "nebula", lambda peer, msg: sent.append((peer, msg)),
+                            lambda spec, ids: "pic-" + "-".join(map(str, ids)), clock=clock)
+    service.activate()
+    sent.clear()
+    return service, sent, clock
+
+
+def submit(request_id: str, docs: list[list[int]], attempt: int = 0, route: str = "") -> wire.Submit:
+    tokens, segments = [1, 2, 3], [wire.Segment("regular", 0, 3)]
+    for doc in docs:
+        segments.append(wire.Segment("pic", len(tokens), len(doc)))
+        tokens += doc
+    segments.append(wire.Segment("regular", len(tokens), 2))
+    tokens += [9, 9]
+    return wire.Submit(sender="decode-0", request_id=request_id, attempt=attempt, token_ids=tokens, segments=segments,
+                       params=wire.Params(fields={"max_tokens": 4}), pic_backend="", route=route)
+
+
+def test_codec_round_trips_every_message_kind():
+    message = submit("r", [[5, 6, 7]])
+    assert wire.decode(wire.encode(message)) == message
+    event = wire.CacheEventMsg(sender="p", worker_index=1, events=[wire.CacheEvent("store", "pic", "k", 3, "host")])
+    assert wire.decode(wire.encode(event)) == event
+
+
+def test_a_request_becomes_one_combine_and_scatters_for_remote_cold_segments(router):
+    service, sent, _ = router
+    service.on_submit(submit("r1", [[10] * 200, [11] * 200, [12] * 200, [13] * 200]))
+    combines = [(peer, m) for peer, m in sent if isinstance(m, wire.Combine)]
+    scatters = [(peer, m) for peer, m in sent if isinstance(m, wire.Scatter)]
+    assert len(combines) == 1
+    home, combine = combines[0]
+    assert combine.decode_peer == "decode-0" and combine.frontend == "decode-0"
+    # cold segments placed on the other worker are prefilled there and fetched from there
+    assert scatters and all(peer != home for peer, _ in scatters)
+    assert {s.segment_index for s in combine.sources} == {m.segment_index for _, m in scatters}
+    assert len(combine.local_task_ids) + len(scatters) == 4
+    assert "r1" in service.in_flight
+
+
+def test_store_events_make_a_remote_copy_reusable(router):
+    service, sent, _ = router
+    key = "pic-" + "-".join(["20"] * 50)
+    service.on_cache_events(wire.CacheEventMsg(sender="prefill-1", worker_index=1,
+                                               events=[wire.CacheEvent("store", "pic", key, 50, "device")]))
+    service.on_submit(submit("r2", [[20] * 50], route="prefill-0"))
+    combine = next(m for _, m in sent if isinstance(m, wire.Combine))
+    assert [(s.key, s.peer) for s in combine.sources] == [(key, "prefill-1")]
+    assert not any(isinstance(m, wire.Scatter) for _, m in sent)
+
+
+def test_a_silent_home_gets_its_requests_planned_again_elsewhere(router):
+    service, sent, clock = router
+    service.on_submit(submit("r3", [[30] * 10], route="prefill-1"))
+    first = next(m for peer, m in sent if isinstance(m, wire.Combine))
+    assert service.in_flight["r3"].home == 1
+    sent.clear()
+    clock.now += 1.0
+    for peer in ("prefill-0", "decode-0"):
+        service.seen(peer)
+    clock.now += service.dead_after_s
+    assert service.check_liveness() == ["prefill-1"]
+    replanned = next(m for _, m in sent if isinstance(m, wire.Replanned))
+    combine_peer, combine = next((p, m) for p, m in sent if isinstance(m, wire.Combine))
+    assert replanned.attempt == combine.attempt == first.attempt + 1
+    assert combine_peer == "prefill-0" and combine.sources == []
+    service.on_task_done(wire.TaskDone(sender="prefill-0", worker_index=0, task_id=combine.task_id, request_id="r3"))
+    assert "r3" not in service.in_flight
+
+
+def test_a_snapshot_replaces_what_the_router_knew_of_a_worker(router):
+    service, _, _ = router
+    stale = wire.CacheEvent("store", "pic", "old", 5, "device")
+    service.on_cache_events(wire.CacheEventMsg(sender="prefill-1", worker_index=1, events=[stale]))
+    fresh = wire.CacheEvent("store", "pic", "new", 5, "device")
+    service.on_cache_events(wire.CacheEventMsg(sender="prefill-1", worker_index=1, events=[fresh], snapshot=True))
+    from nebula_engine.cluster.messages import CacheKind
+
+    assert service.control.view.holders(CacheKind.PIC, "old", 100.0) == {}
+    assert 1 in service.control.view.holders(CacheKind.PIC, "new", 100.0)
