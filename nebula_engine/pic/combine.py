@@ -68,9 +68,12 @@ class CombineRun:
 
     def context(self, rows: torch.Tensor, recording: bool = False) -> AttentionContext:
         """Attention for the new rows ``rows`` (sorted positions) of this one request."""
-        meta = AttentionMetadata(query_start_loc=[0, rows.numel()], seq_lens=[self.layout.num_tokens],
+        count, total = rows.numel(), self.layout.num_tokens
+        suffix = count > 0 and int(rows[0]) == total - count  # sorted and distinct: rows are the last ``count``
+        # a suffix is an ordinary prefill chunk: the backend's causal path, no per-row mask to build
+        meta = AttentionMetadata(query_start_loc=[0, count], seq_lens=[total],
                                  block_tables=self.block_table[None], slot_mapping=self.slots(rows),
-                                 page_size=self.page_size, query_positions=rows)
+                                 page_size=self.page_size, query_positions=None if suffix else rows)
         cls = RecordingAttentionContext if recording else AttentionContext
         return cls(self.attention_backend, meta, self.kv_caches, self.mla_backend)
 

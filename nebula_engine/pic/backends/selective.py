@@ -52,7 +52,8 @@ class CheckLayerBackend(PICBackend):
     def keep(self, run: CombineRun, rows: torch.Tensor, scores: torch.Tensor, ratio: float) -> torch.Tensor:
         """Indices into ``rows``: every fresh row plus the ``ratio`` share of reused tokens with top ``scores``
         (``scores`` [R] over the reused rows still in ``rows``, in order)."""
-        reused = torch.tensor([p in self._reused_set(run) for p in rows.tolist()], device=rows.device)
+        reused_positions = self._reused_set(run)
+        reused = torch.tensor([p in reused_positions for p in rows.tolist()], device=rows.device, dtype=torch.bool)
         count = min(int(math.floor(ratio * run.layout.num_reused + 1e-9)), int(reused.sum()))
         reused_index = reused.nonzero().flatten()
         chosen = reused_index[select_top_tokens(scores, count)] if count else reused_index[:0]

@@ -1,0 +1,146 @@
+"""tools/pic_quality.py and tools/bench_pic.py on tiny settings: output structure and the truths that must hold
+(full prefill through the combine equals plain prefill; naive recomputes nothing; recompute counts follow the
+backend's definition), not the timings."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+TOOLS_DIR = Path(__file__).resolve().parents[2] / "tools"
+TINY = ["--hidden-size", "64", "--num-heads", "8", "--num-kv-heads", "2", "--page-size", "8", "--threads", "1"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def keep_torch_threads():
+    """The tools set torch's thread count for the process: put it back for the tests that follow."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def import_tool(name: str):
+    if str(TOOLS_DIR) not in sys.path:
+        sys.path.insert(0, str(TOOLS_DIR))  # bench_pic imports its harness from the sibling pic_quality
+    return importlib.import_module(name)
+
+
+@pytest.fixture(scope="module")
+def quality(tmp_path_factory):
+    """One run of pic_quality: tiny mistral with the five attention backends, tiny qwen3_5 with hypic."""
+    out = tmp_path_factory.mktemp("pic_quality") / "quality.json"
+    report = import_tool("pic_quality").main(
+        TINY + ["--layers", "4", "--system-len", "8", "--num-docs", "2", "--doc-len", "24", "--question-len", "6",
+                "--num-prompts", "2", "--steps", "3", "--out", str(out)])
+    return report, json.loads(out.read_text())
+
+
+def by_backend(run: dict) -> dict[str, dict]:
+    return {result["backend"]: result for result in run["results"]}
+
+
+def test_quality_report_structure_and_json(quality, capsys):
+    report, written = quality
+    assert written == json.loads(json.dumps(report))
+    assert report["caveat"] and "attention sinks" in report["caveat"]
+    assert [run["model"]["family"] for run in report["runs"]] == ["mistral", "qwen3_5"]
+    mistral, hybrid = report["runs"]
+    assert list(by_backend(mistral)) == ["full", "naive", "epic", "cacheblend", "a3"]
+    assert list(by_backend(hybrid)) == ["hypic:seam=1000000", "hypic"]
+    assert mistral["prompt"]["num_tokens"] == 1 + 8 + 2 * 24 + 6  # Mistral's BOS opens the prompt
+    for run in report["runs"]:
+        for result in run["results"]:
+            assert len(result["per_prompt"]) == 2 and all(p["steps"] == 3 for p in result["per_prompt"])
+    # attention layers get K/V deviations, Qwen3.5's linear layers (0, 1, 2) the state deviation instead
+    assert [r["layer"] for r in by_backend(mistral)["naive"]["kv_deviation"]] == [0, 1, 2, 3]
+    assert [r["layer"] for r in by_backend(hybrid)["hypic"]["kv_deviation"]] == [3]
+    assert [r["layer"] for r in by_backend(hybrid)["hypic"]["state_deviation"]] == [0, 1, 2]
+
+
+def test_full_prefill_through_the_combine_equals_plain_prefill(quality):
+    report, _ = quality
+    mistral, hybrid = report["runs"]
+    for exact in (by_backend(mistral)["full"], by_backend(hybrid)["hypic:seam=1000000"]):
+        assert exact["kl_next"] < 1e-9 and exact["kl_continuation_mean"] < 1e-9
+        assert exact["top1_agreement"] == 1.0
+        assert exact["num_recomputed"] == exact["num_reused"] == 2 * 24
+        assert max(exact["key_deviation_mean"], exact["value_deviation_mean"]) < 1e-5
+        assert all(r["state"] < 1e-5 for r in exact["state_deviation"])
+
+
+def test_reuse_counts_and_deviations_follow_the_backend(quality):
+    report, _ = quality
+    results = by_backend(report["runs"][0])
+    naive = results["naive"]
+    assert naive["num_recomputed"] == 0 and naive["kl_next"] > 1e-6  # reused K/V is not what full prefill computes
+    # layer 0's K/V depend only on the token and its position: re-rotation makes them exact; later layers differ
+    assert naive["kv_deviation"][0]["key"] < 1e-5 and naive["kv_deviation"][0]["value"] < 1e-5
+    assert naive["kv_deviation"][-1]["value"] > 1e-3
+    assert results["epic"]["num_recomputed"] == 2 * 16  # the first k=16 tokens of each document
+    assert results["cacheblend"]["num_recomputed"] == results["a3"]["num_recomputed"] == 7  # floor(0.15 * 48)
+    assert naive["cost_fraction"] < results["epic"]["cost_fraction"] < results["full"]["cost_fraction"] == 1.0
+    assert by_backend(report["runs"][1])["hypic"]["num_recomputed"] == 2 * 16  # the seam of each document
+
+
+def test_quality_prints_one_table_and_the_caveat(tmp_path, capsys):
+    import_tool("pic_quality").main(TINY + ["--layers", "2", "--system-len", "4", "--num-docs", "2", "--doc-len", "8",
+                                            "--question-len", "4", "--num-prompts", "1", "--steps", "2",
+                                            "--hybrid-family", "none", "--backend", "naive",
+                                            "--backend", "epic:k=2"])
+    printed = capsys.readouterr().out
+    assert "KL next" in printed and "attention sinks" in printed
+    rows = [line for line in printed.splitlines() if line.startswith("mistral ")]
+    assert [row.split()[1] for row in rows] == ["naive", "epic:k=2"]
+
+
+def test_quality_rejects_bad_settings():
+    tool = import_tool("pic_quality")
+    with pytest.raises(ValueError, match="multiple of 4"):
+        tool.main(TINY + ["--family", "qwen3_5", "--layers", "3"])
+    with pytest.raises(SystemExit):
+        tool.main(["--steps", "0"])
+    with pytest.raises(ValueError, match="does not support"):
+        tool.main(TINY + ["--family", "qwen3_5", "--layers", "4", "--num-docs", "1", "--doc-len", "4",
+                          "--num-prompts", "1", "--steps", "1", "--backend", "epic"])
+
+
+BENCH_TINY = TINY + ["--num-segments", "2", "--segment-len", "32", "--query-len", "8", "--repeats", "1"]
+
+
+def test_bench_times_every_backend_against_full_prefill(tmp_path):
+    out = tmp_path / "bench.json"
+    result = import_tool("bench_pic").main(BENCH_TINY + ["--layers", "2", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    rows = {row["backend"]: row for row in result["results"]}
+    assert list(rows) == ["plain prefill", "full", "naive", "epic:k=16", "cacheblend:ratio=0.15", "a3:ratio=0.15"]
+    assert result["num_tokens"] == 1 + 2 * 32 + 8 and result["baseline"] == "full" and result["threads"] == 1
+    assert all(row["ms"] > 0 for row in rows.values()) and result["place_ms"] > 0
+    assert rows["full"]["speedup_vs_full"] == 1.0 and rows["plain prefill"]["speedup_vs_plain"] == 1.0
+    assert [rows[name]["num_recomputed"] for name in list(rows)[1:]] == [64, 0, 32, 9, 9]
+    assert isinstance(rows["epic:k=16"]["goal_met"], bool) and rows["epic:k=16"]["goal"] == 5.0
+    assert rows["cacheblend:ratio=0.15"]["goal"] == 2.0 and rows["naive"]["goal"] is None
+
+
+def test_bench_hybrid_family_runs_hypic_against_plain_prefill():
+    result = import_tool("bench_pic").main(BENCH_TINY + ["--family", "qwen3_5", "--layers", "4"])
+    rows = {row["backend"]: row for row in result["results"]}
+    assert list(rows) == ["plain prefill", "hypic"] and result["baseline"] == "plain prefill"
+    assert rows["hypic"]["num_recomputed"] == 2 * 16 and rows["hypic"]["speedup_vs_full"] is None
+
+
+def test_quality_runs_a_local_checkpoint_given_with_model(tmp_path):
+    from nebula_engine.model.tiny import make_tiny_checkpoint
+
+    checkpoint = make_tiny_checkpoint("qwen3", tmp_path / "ckpt", seed=3)
+    report = import_tool("pic_quality").main(["--model", str(checkpoint), "--system-len", "4", "--num-docs", "2",
+                                              "--doc-len", "8", "--question-len", "4", "--num-prompts", "1",
+                                              "--steps", "2", "--backend", "full", "--threads", "1"])
+    assert report["caveat"] is None  # real weights are the user's claim; the tiny-model caveat is not printed
+    (run,) = report["runs"]
+    assert run["model"]["family"] == "qwen3" and run["prompt"]["num_tokens"] == 4 + 2 * 8 + 4  # Qwen: no BOS
+    assert run["results"][0]["top1_agreement"] == 1.0
