@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 from nebula_engine.cluster.cache_manager import CacheManager
 from nebula_engine.cluster.config import ClusterConfig
-from nebula_engine.cluster.messages import Action, CacheKind, PrefillPlan, WorkerEvent
+from nebula_engine.cluster.messages import (Action, CacheKind, PrefillPlan, PrefixPlan, SegmentPlan,
+                                            WorkerEvent)
 from nebula_engine.cluster.planner import TransferCosts
 from nebula_engine.cluster.policies import make_policy, view_config
 from nebula_engine.cluster.request_keys import RequestKeys
@@ -33,14 +34,40 @@ class ControlPlane:
         self.view = ClusterView(config.num_prefill_workers, view_config(self.view_name, config),
                                 listener=self.cache_manager.on_presence)
 
-    def on_request(self, keys: RequestKeys, now: float) -> Decision:
-        """Plan one request (FIFO order), record it in the view, and feed the cache manager."""
+    def on_request(self, keys: RequestKeys, now: float, home: int | None = None) -> Decision:
+        """Plan one request (FIFO order), record it in the view, and feed the cache manager.
+
+        ``home``: the combine must run on this worker (an operator's or a test's choice); the policy still
+        decides where each PIC segment comes from."""
         self.view.expire(now)
         pc_share = self.cache_manager.observe(keys)
-        plan = self.policy.plan(keys, self.view, now)
+        plan = self.policy.plan(keys, self.view, now) if home is None else self.pinned_plan(keys, home, now)
         self.view.record_dispatch(plan, now)
         self._touch_reused(plan)
         return Decision(plan, pc_share)
+
+    def pinned_plan(self, keys: RequestKeys, home: int, now: float) -> PrefillPlan:
+        """A plan whose combine runs on ``home``: the prefix it holds is reused; with PIC, each segment past it
+        is read from a holder (``home`` first) or computed at ``home``."""
+        depth = self.view.prefix_matches(keys.pc_keys, now).get(home, 0)
+        prefix = PrefixPlan(home, depth, keys.prefix_tokens(depth)) if depth else None
+        segments = []
+        for index in keys.pic_indices if self.policy.name != "pc" else ():
+            if index < depth:
+                continue
+            key = keys.content_ids[index]
+            holders = sorted(self.view.holders(CacheKind.PIC, key, now)) if self.policy.name == "nebula" else []
+            if self.policy.name == "local-pic":
+                segments.append(SegmentPlan(index, key, keys.tokens[index], home, Action.LOCAL))
+            elif holders:
+                source = home if home in holders else holders[0]
+                segments.append(SegmentPlan(index, key, keys.tokens[index], source, Action.REUSE))
+            else:
+                segments.append(SegmentPlan(index, key, keys.tokens[index], home, Action.COMPUTE,
+                                            task_id=f"{keys.request_id}/scatter/{index}"))
+        return PrefillPlan(request_id=keys.request_id, combine_home=home, combine_task_id=f"{keys.request_id}/combine",
+                           combine_tokens=keys.total_tokens - keys.prefix_tokens(depth), prefix=prefix,
+                           segments=tuple(segments), pc_keys=keys.pc_keys, segment_tokens=keys.tokens)
 
     def on_event(self, event: WorkerEvent, now: float) -> bool:
         self.view.expire(now)

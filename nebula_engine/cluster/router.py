@@ -90,13 +90,9 @@ class RouterService:
         spec = None if self.policy == "pc" else msg.pic_backend
         segments = [(s.kind, msg.token_ids[s.start:s.start + s.length]) for s in msg.segments]
         keys = prompt_keys(f"{msg.request_id}#{attempt}", segments, lambda ids: self.pic_key(spec, ids))
-        decision = self.control.on_request(keys, self.clock())
+        pinned = msg.route in self.prefill_peers and msg.route not in self.dead
+        decision = self.control.on_request(keys, self.clock(), self.prefill_peers.index(msg.route) if pinned else None)
         plan = decision.plan
-        if msg.route and msg.route in self.prefill_peers and msg.route not in self.dead:
-            for segment in plan.segments:  # the planner's scatter tasks will not run
-                if segment.action is Action.COMPUTE:
-                    self.control.view.release(segment.task_id)
-            plan = self._pin_home(plan, keys, self.prefill_peers.index(msg.route))
         if decision.pc_share is not None:
             for peer in self.prefill_peers:
                 self.deliver(peer, wire.PCShare(sender=self.name, pc_share=decision.pc_share))
@@ -123,24 +119,6 @@ class RouterService:
             sender=self.name, task_id=plan.combine_task_id, request_id=msg.request_id, attempt=attempt,
             frontend=msg.sender, token_ids=msg.token_ids, segments=msg.segments, params=msg.params,
             pic_backend=spec, sources=sources, local_task_ids=local_tasks, decode_peer=decode))
-
-    def _pin_home(self, plan, keys, home: int):
-        """``plan`` with its combine moved to ``home``: every PIC segment is read from a holder (``home`` itself
-        if it holds it) or computed at ``home``."""
-        from dataclasses import replace as dc_replace
-
-        from nebula_engine.cluster.messages import SegmentPlan
-
-        segments, now = [], self.clock()
-        for index in keys.pic_indices:
-            key = keys.content_ids[index]
-            holders = sorted(self.control.view.holders(CacheKind.PIC, key, now))
-            worker = home if home in holders or not holders else holders[0]
-            action = Action.REUSE if holders else Action.COMPUTE
-            segments.append(SegmentPlan(index, key, keys.tokens[index], worker, action,
-                                        task_id=f"{plan.combine_task_id}/pin/{index}" if action is Action.COMPUTE
-                                        else ""))
-        return dc_replace(plan, combine_home=home, segments=tuple(segments), prefix=None)
 
     def _live_decode_peers(self) -> list[str]:
         return [p for p in self.decode_peers if p not in self.dead]

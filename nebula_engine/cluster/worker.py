@@ -96,7 +96,8 @@ class WorkerService:
         self.leader = leader
         self._tags = itertools.count()
         self._pin_replies: dict[str, asyncio.Future] = {}
-        self._appeared: dict[str, asyncio.Event] = {}  # PIC key -> set when a scatter prefill stored it
+        self._appeared: dict[str, asyncio.Event] = {}  # PIC key -> set when a task computing it here is done
+        self._computing: dict[str, int] = {}  # PIC key -> tasks (scatter or combine) computing it here
         self._pinned: dict[str, list] = {}  # key -> locked entries pinned for remote readers
         self._handoffs: dict[str, asyncio.Future] = {}  # request id -> done when the decode peer has read
         self._streams: dict[str, asyncio.Task] = {}  # request id -> task serving it here
@@ -106,7 +107,39 @@ class WorkerService:
         self.evictions = {"pc": 0, "pic": 0}  # device evictions (and demotions) seen in the cache events
 
     # ---- router commands ----
+    def _start_computing(self, keys: list[str]) -> None:
+        for key in keys:
+            self._computing[key] = self._computing.get(key, 0) + 1
+            if key not in self._appeared or self._appeared[key].is_set():
+                self._appeared[key] = asyncio.Event()
+
+    def _stop_computing(self, keys: list[str]) -> None:
+        for key in keys:
+            count = self._computing.get(key, 0) - 1
+            if count > 0:
+                self._computing[key] = count
+                continue
+            self._computing.pop(key, None)
+            event = self._appeared.get(key)
+            if event is not None:
+                event.set()
+
+    def _local_keys(self, msg: wire.Combine, segmented: SegmentedPrompt) -> list[str]:
+        """PIC keys this combine computes here if they are cold (everything not fetched from a peer)."""
+        engine = self.engine.engine
+        executor = engine.model_runner.pic_executor
+        if msg.pic_backend is None or executor is None:
+            return []
+        backend = engine.pic_backend if msg.pic_backend == "" else resolve_pic_backend(msg.pic_backend,
+                                                                                        engine.model_runner.model)
+        if backend is None:
+            return []
+        remote = {s.segment_index for s in msg.sources if s.peer and s.peer != self.name}
+        return [executor.segment_key(backend, segmented.segment_ids(segment))
+                for index, segment in enumerate(segmented.pic_segments) if index not in remote]
+
     async def on_scatter(self, msg: wire.Scatter) -> None:
+        self._start_computing([msg.key])
         try:
             backend = resolve_pic_backend(msg.pic_backend, self.engine.engine.model_runner.model)
 
@@ -116,10 +149,10 @@ class WorkerService:
                     engine.cache_store.pic.unlock(found)
 
             await self.engine.call(prefill)
-            self._appeared.setdefault(msg.key, asyncio.Event()).set()
         except Exception:
             logger.exception("scatter prefill %s failed", msg.task_id)
         finally:
+            self._stop_computing([msg.key])
             self._report(wire.TaskDone(sender=self.name, worker_index=self.worker_index, task_id=msg.task_id,
                                        request_id=msg.request_id))
 
@@ -127,8 +160,11 @@ class WorkerService:
         task = asyncio.current_task()
         self._streams[msg.request_id] = task
         handed_off = False
+        computing: list[str] = []
         try:
             segmented = segmented_from_wire(msg.token_ids, msg.segments)
+            computing = self._local_keys(msg, segmented)
+            self._start_computing(computing)
             params = params_from_wire(msg.params)
             backend = backend_arg(msg.pic_backend)
             remote = [s for s in msg.sources if s.peer and s.peer != self.name]
@@ -139,7 +175,7 @@ class WorkerService:
             else:
                 await self._serve_locally(msg, segmented, params, backend)
             self._report_prompt_cached(segmented, msg.pic_backend)
-        except ValueError as error:
+        except ValueError as error:  # (the request's own fault: bad backend for this model, ...)
             self.send(msg.frontend, wire.Failed(sender=self.name, request_id=msg.request_id, attempt=msg.attempt,
                                                 message=str(error), client_error=True))
         except asyncio.CancelledError:
@@ -149,6 +185,7 @@ class WorkerService:
             self.send(msg.frontend, wire.Failed(sender=self.name, request_id=msg.request_id, attempt=msg.attempt,
                                                 message=f"prefill failed: {error!r}", client_error=False))
         finally:
+            self._stop_computing(computing)
             self._streams.pop(msg.request_id, None)
             for task_id in [msg.task_id, *msg.local_task_ids]:
                 self._report(wire.TaskDone(sender=self.name, worker_index=self.worker_index, task_id=task_id,
@@ -258,10 +295,9 @@ class WorkerService:
             return list(entry.pages), _state_bytes(entry.state)
 
         found = await self.engine.call(pin)
-        if found is None and msg.wait_s > 0:  # a scatter prefill of it may still be queued or running here
-            event = self._appeared.setdefault(msg.key, asyncio.Event())
+        if found is None and msg.wait_s > 0 and msg.key in self._computing:  # a task here is computing it
             try:
-                await asyncio.wait_for(event.wait(), msg.wait_s)
+                await asyncio.wait_for(self._appeared[msg.key].wait(), msg.wait_s)
                 found = await self.engine.call(pin)
             except asyncio.TimeoutError:
                 pass

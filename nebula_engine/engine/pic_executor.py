@@ -60,10 +60,10 @@ class PICExecutor:
         cached: dict[int, CachedSegment] = {}
         locked: list[PICEntry] = []
         try:
-            for index, segment in enumerate(pic_segments):
-                if max(segment.start, prefix_len) >= min(segment.end, num_tokens - 1):
-                    continue  # inside the exact prefix, or only the last token (always computed)
-                found = self.lookup_or_prefill(backend, segmented.segment_ids(segment))
+            needed = {index: segmented.segment_ids(segment) for index, segment in enumerate(pic_segments)
+                      # not inside the exact prefix, nor only the last token (always computed)
+                      if max(segment.start, prefix_len) < min(segment.end, num_tokens - 1)}
+            for index, found in zip(needed, self.lookup_or_prefill_many(backend, list(needed.values()))):
                 if found is not None:
                     locked.append(found)
                     cached[index] = CachedSegment(found.pages, found.num_tokens, found.state)
@@ -89,38 +89,63 @@ class PICExecutor:
     def lookup_or_prefill(self, backend: PICBackend, token_ids) -> PICEntry | None:
         """The segment's store entry, locked: found (maybe promoted from a lower tier) or prefilled alone now.
         None when it is cold and the pool has no room for it."""
-        key = self.segment_key(backend, token_ids)
-        found = self.cache.lookup_segment(key, len(token_ids))
-        if found is not None:
-            self.stats.segment_hits += 1
-            return found
-        created = self.prefill_segment(backend, key, token_ids)
-        if created is None:
-            self.stats.segment_skipped += 1
-        else:
-            self.stats.segment_misses += 1
-        return created
+        return self.lookup_or_prefill_many(backend, [token_ids])[0]
+
+    def lookup_or_prefill_many(self, backend: PICBackend, segments: list) -> list[PICEntry | None]:
+        """``lookup_or_prefill`` for several segments; the cold ones are prefilled together (one forward when
+        the backend batches them). A segment repeated in ``segments`` is prefilled once."""
+        keys = [self.segment_key(backend, ids) for ids in segments]
+        entries: list[PICEntry | None] = []
+        cold: dict[str, list] = {}
+        for key, ids in zip(keys, segments):
+            found = self.cache.lookup_segment(key, len(ids))
+            entries.append(found)
+            if found is not None:
+                self.stats.segment_hits += 1
+            else:
+                cold.setdefault(key, list(ids))
+        created = self.prefill_segments(backend, cold) if cold else {}
+        for i, key in enumerate(keys):
+            if entries[i] is None:
+                entries[i] = created.get(key)
+                if entries[i] is not None and entries[i].lock_ref and i != keys.index(key):
+                    self.cache.pic.lock(entries[i])  # one lock per returned handle
+        self.stats.segment_misses += sum(1 for e in created.values() if e is not None)
+        self.stats.segment_skipped += sum(1 for e in created.values() if e is None)
+        return entries
 
     def prefill_segment(self, backend: PICBackend, key: str, token_ids) -> PICEntry | None:
-        """Scatter prefill: compute the segment alone into new pages and store it; the entry comes back locked."""
+        """One segment: ``prefill_segments`` of one."""
+        return self.prefill_segments(backend, {key: list(token_ids)})[key]
+
+    def prefill_segments(self, backend: PICBackend, cold: dict[str, list]) -> dict[str, PICEntry | None]:
+        """Scatter prefill: compute each segment alone into new pages and store it; entries come back locked.
+        A segment the pool has no room for maps to None."""
         page_size = self.storage.page_size
-        num_pages = -(-len(token_ids) // page_size)
-        scratch = 1 if self.bos_token_id is not None else 0
+        device = self.storage.layer_caches[0][0].device
         pool = self.cache.pool
+        planned, held = [], []
+        for key, ids in cold.items():
+            num_pages = -(-len(ids) // page_size)
+            scratch = 1 if self.bos_token_id is not None else 0
+            try:
+                pages = pool.allocate(num_pages + scratch)
+            except OutOfPagesError:
+                continue
+            held.append(pages)
+            planned.append((key, ids, pages[:num_pages], SegmentPrefill(
+                torch.tensor(ids, dtype=torch.int64, device=device), tuple(pages[:num_pages]), page_size,
+                self.storage.layer_caches, self.attention_backend, self.mla_backend, self.bos_token_id,
+                pages[num_pages] * page_size if scratch else None)))
+        created: dict[str, PICEntry | None] = dict.fromkeys(cold)
         try:
-            pages = pool.allocate(num_pages + scratch)
-        except OutOfPagesError:
-            return None
-        try:
-            device = self.storage.layer_caches[0][0].device
-            prefill = SegmentPrefill(torch.tensor(list(token_ids), dtype=torch.int64, device=device),
-                                     tuple(pages[:num_pages]), page_size, self.storage.layer_caches,
-                                     self.attention_backend, self.mla_backend, self.bos_token_id,
-                                     pages[num_pages] * page_size if scratch else None)
-            state = backend.prefill_segment(self.model, prefill)
-            return self.cache.insert_segment(key, len(token_ids), pages[:num_pages], state)
+            states = backend.prefill_segments(self.model, [p[3] for p in planned]) if planned else []
+            for (key, ids, pages, _), state in zip(planned, states):
+                created[key] = self.cache.insert_segment(key, len(ids), pages, state)
         finally:
-            pool.release(pages)  # the store holds its own reference on the segment's pages
+            for pages in held:
+                pool.release(pages)  # the store holds its own reference on each segment's pages
+        return created
 
     def _store_linear_states(self, slot: int, states) -> None:
         for (conv, recurrent), state in zip(self.storage.linear_states, states):

@@ -94,9 +94,27 @@ class PICBackend(ABC):
 
     def prefill_segment(self, model: nn.Module, prefill: SegmentPrefill) -> dict[str, Any]:
         """Compute the segment alone, its K/V written into ``prefill.pages``; returns the state to cache."""
-        ids, positions, ctx = prefill.inputs()
-        model.forward(ids, positions, ctx)
-        return {"position_offset": prefill.position_offset}
+        return self.prefill_segments(model, [prefill])[0]
+
+    def prefill_segments(self, model: nn.Module, prefills: list[SegmentPrefill]) -> list[dict[str, Any]]:
+        """Each segment alone, all in one forward: a varlen batch in which every segment is its own sequence."""
+        if has_linear_attention(model):  # per-sequence states: one at a time
+            states = []
+            for prefill in prefills:
+                ids, positions, ctx = prefill.inputs()
+                model.forward(ids, positions, ctx)
+                states.append({"position_offset": prefill.position_offset})
+            return states
+        parts = [prefill.inputs() for prefill in prefills]
+        starts = [0]
+        for ids, _, _ in parts:
+            starts.append(starts[-1] + ids.numel())
+        meta = AttentionMetadata(query_start_loc=starts, seq_lens=[ids.numel() for ids, _, _ in parts],
+                                 block_tables=None, slot_mapping=torch.cat([c.meta.slot_mapping for _, _, c in parts]),
+                                 page_size=prefills[0].page_size)
+        ctx = AttentionContext(prefills[0].attention_backend, meta, prefills[0].kv_caches, prefills[0].mla_backend)
+        model.forward(torch.cat([ids for ids, _, _ in parts]), torch.cat([pos for _, pos, _ in parts]), ctx)
+        return [{"position_offset": prefill.position_offset} for prefill in prefills]
 
     @abstractmethod
     def combine(self, run: CombineRun) -> CombineResult:

@@ -41,6 +41,11 @@ class HYPIC(PICBackend):
     def cache_format(self) -> str:
         return f"hypic-seam{self.seam}"  # the cached maps cover the tokens after the seam
 
+    def prefill_segments(self, model: nn.Module, prefills: list[SegmentPrefill]) -> list[dict[str, Any]]:
+        if not has_linear_attention(model):
+            return super().prefill_segments(model, prefills)
+        return [self.prefill_segment(model, prefill) for prefill in prefills]
+
     def prefill_segment(self, model: nn.Module, prefill: SegmentPrefill) -> dict[str, Any]:
         if not has_linear_attention(model):
             return super().prefill_segment(model, prefill)
