@@ -167,3 +167,13 @@ def test_losing_a_prefill_peer_and_then_the_leader_loses_no_request(failover_clu
     for thread in threads:
         thread.join()
     assert [status for status, _ in results] == [200] * 3, results
+
+
+def test_a_cluster_can_elect_its_leader_through_etcd(model_dir, etcd_endpoint, tmp_path):
+    spec = local_spec(1, 1, etcd=etcd_endpoint)
+    with LocalCluster(model_dir, spec, ENGINE, log_dir=tmp_path / "logs") as cluster:
+        leader = cluster.leader()
+        assert leader in cluster.urls
+        status, body = post(cluster.urls["decode-0"], "/v1/completions",
+                            {"model": model_dir, "prompt": "a <pic>b c d</pic> e", "max_tokens": 3})
+        assert status == 200 and body["usage"]["completion_tokens"] == 3

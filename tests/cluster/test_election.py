@@ -122,34 +122,6 @@ def test_raft_peers_agree_and_reelect_after_leader_is_killed(spawn):
     check_agree_kill_reelect(peers)
 
 
-@pytest.fixture
-def etcd_endpoint(tmp_path):
-    binary = shutil.which("etcd")
-    if binary is None:
-        pytest.skip("etcd binary not installed (Debian package etcd-server)")
-    client_port, peer_port = free_port(), free_port()
-    client_url, peer_url = f"http://127.0.0.1:{client_port}", f"http://127.0.0.1:{peer_port}"
-    process = subprocess.Popen(
-        [binary, "--data-dir", str(tmp_path / "etcd"), "--listen-client-urls", client_url,
-         "--advertise-client-urls", client_url, "--listen-peer-urls", peer_url,
-         "--initial-cluster", f"default={peer_url}", "--initial-advertise-peer-urls", peer_url],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_until(lambda: _etcd_healthy(client_url), 10.0, "etcd to report healthy")
-        yield f"127.0.0.1:{client_port}"
-    finally:
-        process.kill()
-        process.wait(timeout=10)
-
-
-def _etcd_healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=1) as reply:
-            return json.load(reply).get("health") == "true"
-    except OSError:
-        return False
-
-
 def test_etcd_peers_agree_and_reelect_after_leader_is_killed(spawn, etcd_endpoint):
     peers = [spawn({"self_id": f"peer{i}", "backend": "etcd", "etcd_endpoint": etcd_endpoint,
                     "ttl_s": 2.0, "key": "/nebula/test-leader"}) for i in range(3)]
