@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,18 +28,9 @@ BENCH_MODEL = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, 
 
 def bench_model_dir() -> Path:
     """A random Qwen3 (``BENCH_MODEL``) with the real Qwen tokenizer, written under the user cache once."""
-    from nebula_engine.model.tiny import make_tiny_checkpoint
+    from nebula_engine.engine.commands import cached_checkpoint
 
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "nebula-engine"
-    target = cache / "bench-qwen3"
-    if not (target / "config.json").is_file():
-        click.echo(f"building a random qwen3 checkpoint for the comparison in {target} ...", err=True)
-        staging = cache / f".bench-qwen3.{os.getpid()}.partial"
-        shutil.rmtree(staging, ignore_errors=True)
-        make_tiny_checkpoint("qwen3", staging, seed=0, **BENCH_MODEL)
-        shutil.rmtree(target, ignore_errors=True)
-        staging.rename(target)
-    return target
+    return cached_checkpoint("bench-qwen3", "qwen3", seed=0, **BENCH_MODEL)
 
 
 @dataclass(frozen=True)

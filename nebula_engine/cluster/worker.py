@@ -18,7 +18,6 @@ import asyncio
 import io
 import itertools
 import logging
-import time
 from dataclasses import replace
 from typing import Any, Callable
 
@@ -433,7 +432,3 @@ class WorkerService:
             return [wire.CacheEvent("evict", "pic", key, event.num_tokens, event.tier.value)]
         return [wire.CacheEvent("evict", "pic", key, event.num_tokens, event.src.value),
                 wire.CacheEvent("store", "pic", key, event.num_tokens, event.dst.value)]
-
-
-def monotonic() -> float:
-    return time.monotonic()

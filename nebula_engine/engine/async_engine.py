@@ -129,18 +129,8 @@ class AsyncLLMEngine:
         self.engine.validate_request(token_ids, params)
         channel = _OutputChannel(asyncio.get_running_loop())
         self._submit(request_id, _Add(request_id, prompt, params, pic_backend, hold_kv), channel)
-        done = False
-        try:
-            while not done:
-                item = await channel.queue.get()
-                if isinstance(item, BaseException):
-                    done = True
-                    raise item
-                done = item.finished
-                yield item
-        finally:
-            if not done:
-                self.abort(request_id)
+        async for item in self._drain(request_id, channel):
+            yield item
 
     def _submit(self, request_id: str, command: _Add, channel: _OutputChannel) -> None:
         with self._wakeup:
@@ -203,6 +193,7 @@ class AsyncLLMEngine:
             yield item
 
     async def _drain(self, request_id: str, channel: _OutputChannel) -> AsyncIterator[RequestOutput]:
+        """Items of ``channel`` until the finished output (or an error, raised); leaving early aborts."""
         done = False
         try:
             while not done:

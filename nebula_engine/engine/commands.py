@@ -19,15 +19,20 @@ DEFAULT_PROMPTS = (
 
 def default_model_dir() -> Path:
     """The tiny random Qwen3 checkpoint, written under the user cache on first use."""
+    return cached_checkpoint("tiny-qwen3", "qwen3")
+
+
+def cached_checkpoint(name: str, family: str, **overrides) -> Path:
+    """A random ``family`` checkpoint (real tokenizer) under the user cache, written once (atomically)."""
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "nebula-engine"
-    target = cache / "tiny-qwen3"
+    target = cache / name
     if not (target / "config.json").is_file():
         from nebula_engine.model.tiny import make_tiny_checkpoint
 
-        click.echo(f"building a tiny random qwen3 checkpoint in {target} ...", err=True)
-        staging = cache / f".tiny-qwen3.{os.getpid()}.partial"
+        click.echo(f"building a random {family} checkpoint in {target} ...", err=True)
+        staging = cache / f".{name}.{os.getpid()}.partial"
         shutil.rmtree(staging, ignore_errors=True)
-        make_tiny_checkpoint("qwen3", staging)
+        make_tiny_checkpoint(family, staging, **overrides)
         shutil.rmtree(target, ignore_errors=True)
         staging.rename(target)
     return target

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from nebula_engine.config import EngineConfig
