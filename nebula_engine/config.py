@@ -56,7 +56,7 @@ class EngineConfig:
     model: str  # local checkpoint directory or Hugging Face hub id
     dtype: str = "float32"
     device: str = "cpu"
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"  # "auto": flashinfer on CUDA when installed, else torch
     seed: int = 0  # seeds requests that carry no seed of their own
     # PIC backend spec for prompts with <pic> segments: "auto" (hypic for hybrid models, else epic), a name
     # ("full", "naive", "epic", "cacheblend", "a3", "hypic"), "name:option=value,...", or None (PIC off)

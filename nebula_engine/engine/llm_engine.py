@@ -17,7 +17,7 @@ from nebula_engine.engine.sampling_params import SamplingParams
 from nebula_engine.engine.scheduler import Scheduler
 from nebula_engine.engine.sequence import Sequence
 from nebula_engine.engine.tokenizer import Tokenizer
-from nebula_engine.kernels.attention import get_attention_backend
+from nebula_engine.kernels.attention import get_attention_backend, resolve_attention_backend
 from nebula_engine.kvcache.cache_store import CacheStoreConfig
 from nebula_engine.kvcache.page_io import StoragePageIO
 from nebula_engine.kvcache.pool import KVCacheManager, KVCacheStorage, num_pages_for_budget
@@ -49,7 +49,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self._kv_cache_manager(num_pages, num_state_slots))
         self.model_runner = ModelRunner(model, KVCacheStorage(groups, num_pages, page_size, config.device,
                                                               num_state_slots),
-                                        get_attention_backend(config.attention_backend),
+                                        get_attention_backend(resolve_attention_backend(config.attention_backend,
+                                                                                        config.device)),
                                         Sampler(config.seed, config.device), config.device)
         kv_cache = self.scheduler.kv_cache
         self.cache_store = kv_cache.cache if isinstance(kv_cache, PrefixCachingKVCacheManager) else None

@@ -16,7 +16,7 @@ from torch import nn
 from nebula_engine.engine.sampler import Sampler, SamplerOutput
 from nebula_engine.engine.scheduler import ScheduledSequence, SchedulerOutput
 from nebula_engine.kernels.attention import AttentionBackend, AttentionContext, AttentionMetadata
-from nebula_engine.kernels.mla_attention import get_mla_backend
+from nebula_engine.kernels.mla_attention import mla_backend_for
 from nebula_engine.kvcache.pool import KVCacheStorage
 from nebula_engine.kvcache.spec import MLALatentSpec
 from nebula_engine.model.gated_deltanet import LinearAttentionState
@@ -42,9 +42,9 @@ class ModelRunner:
         self.model = model
         self.kv_storage = kv_storage
         self.attention_backend = attention_backend
-        # MLA layers read latent caches through the MLA backend of the same name
         has_latent = any(isinstance(g.spec, MLALatentSpec) for g in kv_storage.groups)
-        self.mla_backend = get_mla_backend(attention_backend.name) if has_latent else None
+        # MLA layers read latent caches through the MLA backend of the same name (torch where there is none)
+        self.mla_backend = mla_backend_for(attention_backend.name) if has_latent else None
         self.sampler = sampler
         self.device = torch.device(device)
         self.pic_executor = None  # engine.pic_executor.PICExecutor when PIC is on: runs combine prefills

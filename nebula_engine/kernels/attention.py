@@ -225,6 +225,19 @@ class TorchPagedAttention(AttentionBackend):
 _BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchPagedAttention}
 
 
+def resolve_attention_backend(name: str, device: torch.device | str) -> str:
+    """``auto``: FlashInfer when the engine runs on CUDA and flashinfer imports, else the torch reference."""
+    if name != "auto":
+        return name
+    if torch.device(device).type == "cuda":
+        try:
+            import flashinfer  # noqa: F401  (a capability probe)
+        except ImportError:
+            return "torch"
+        return "flashinfer"
+    return "torch"
+
+
 def get_attention_backend(name: str = "torch") -> AttentionBackend:
     if name == "flashinfer":  # CUDA only; imported on demand (it builds on this module)
         from nebula_engine.kernels.flashinfer_backend import FlashInferAttention

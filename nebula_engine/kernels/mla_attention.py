@@ -136,3 +136,8 @@ def get_mla_backend(name: str = "torch") -> MLAAttentionBackend:
     if name not in _BACKENDS:
         raise ValueError(f"unknown MLA attention backend {name!r}; available: {sorted(_BACKENDS)}")
     return _BACKENDS[name]()
+
+
+def mla_backend_for(attention_backend: str) -> MLAAttentionBackend:
+    """The MLA backend paired with an attention backend: the one of the same name, else the torch reference."""
+    return get_mla_backend(attention_backend if attention_backend in _BACKENDS else "torch")

@@ -16,7 +16,8 @@ import click
                                     "'epic' or 'cacheblend:ratio=0.3'; 'none': PIC off (default: auto).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
 @click.option("--device", default="cpu", show_default=True)
-@click.option("--attention-backend", default="torch", show_default=True)
+@click.option("--attention-backend", default="auto", show_default=True,
+              help="torch | flashinfer | auto (flashinfer on CUDA when installed).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seeds requests that carry no seed.")
 @click.option("--page-size", type=click.IntRange(min=1), default=16, show_default=True, help="Tokens per KV page.")
 @click.option("--num-pages", type=click.IntRange(min=1), help="KV pool size (default: from a 1 GiB budget).")
