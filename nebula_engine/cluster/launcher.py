@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -73,11 +74,25 @@ class LocalCluster:
         self.wait_ready(timeout)
         return self
 
+    def _peer_options(self, name: str) -> dict:
+        """Engine options of one peer. A disk tier is per peer (its index is not shared): peer X uses
+        ``<disk_cache_path>/X``, seeded on first start with a copy of what ``nebula-engine prefill`` wrote to
+        ``<disk_cache_path>`` itself, so every peer starts warm."""
+        options = dict(self.engine_options)
+        root = options.get("disk_cache_path")
+        if root:
+            own = Path(root) / name
+            if not own.exists() and (Path(root) / "index.json").exists():
+                shutil.copytree(root, own, ignore=lambda directory, names: [
+                    n for n in names if Path(directory) == Path(root) and (Path(root) / n).is_dir()])
+            options["disk_cache_path"] = str(own)
+        return options
+
     def _spawn(self, name: str, spec_file: Path) -> None:
         log = open(self.log_dir / f"{name}.log", "ab")
         command = [sys.executable, "-m", "nebula_engine.cluster.peer", "--spec", str(spec_file), "--name", name,
                    "--model", self.model, "--served-model-name", self.served_model_name,
-                   "--engine-options", json.dumps(self.engine_options), "--log-level", self.log_level]
+                   "--engine-options", json.dumps(self._peer_options(name)), "--log-level", self.log_level]
         self.processes[name] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
 

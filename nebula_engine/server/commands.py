@@ -22,6 +22,10 @@ import click
 @click.option("--page-size", type=click.IntRange(min=1), default=16, show_default=True, help="Tokens per KV page.")
 @click.option("--num-pages", type=click.IntRange(min=1), help="KV pool size (default: from a 1 GiB budget).")
 @click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True)
+@click.option("--host-cache-tokens", type=click.IntRange(min=0), help="Host-memory tier below the KV pool.")
+@click.option("--disk-cache-tokens", type=click.IntRange(min=0), help="Disk tier below host memory.")
+@click.option("--disk-cache-path", type=click.Path(file_okay=False),
+              help="The disk tier's directory (what `nebula-engine prefill` warmed); per peer in a local cluster.")
 @click.option("--max-model-len", type=click.IntRange(min=2), help="Prompt + output tokens per request.")
 @click.option("--max-num-seqs", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=2048, show_default=True)

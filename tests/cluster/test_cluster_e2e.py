@@ -177,3 +177,24 @@ def test_a_cluster_can_elect_its_leader_through_etcd(model_dir, etcd_endpoint, t
         status, body = post(cluster.urls["decode-0"], "/v1/completions",
                             {"model": model_dir, "prompt": "a <pic>b c d</pic> e", "max_tokens": 3})
         assert status == 200 and body["usage"]["completion_tokens"] == 3
+
+
+def test_a_cluster_starts_warm_from_an_offline_prefilled_corpus(model_dir, tmp_path):
+    from nebula_engine.engine.offline_prefill import OfflinePrefill, build_prefill_engine
+
+    docs = documents(seed=7, count=3, length=20)
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("".join(json.dumps({"token_ids": d}) + "\n" for d in docs))
+    disk = tmp_path / "disk"
+    prefill = OfflinePrefill(build_prefill_engine(model_dir, disk, **ENGINE))
+    try:
+        assert prefill.run(corpus).prefilled == 3
+    finally:
+        prefill.close()
+    options = {**ENGINE, "disk_cache_path": str(disk), "disk_cache_tokens": 100_000}
+    with LocalCluster(model_dir, local_spec(1, 0), options, log_dir=tmp_path / "logs") as cluster:
+        status, body = post(cluster.urls["prefill-0"], "/v1/completions",
+                            completion(model_dir, rag_segments([51] * 8, docs, [52, 53])))
+        assert status == 200, body
+        assert body["usage"]["nebula"]["pic_cached_tokens"] == 60
+        assert cluster.state("prefill-0")["pic"]["segment_misses"] == 0  # all three came from the disk tier

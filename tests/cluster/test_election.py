@@ -8,13 +8,11 @@ are polled with deadlines.
 from __future__ import annotations
 
 import json
-import shutil
 import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
