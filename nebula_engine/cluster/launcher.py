@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -22,15 +23,30 @@ from nebula_engine.cluster.peer import ClusterSpec, PeerSpec
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    sockets, ports = [], []
-    for _ in range(count):
-        s = socket.socket()
-        s.bind((host, 0))
-        sockets.append(s)
-        ports.append(s.getsockname()[1])
-    for s in sockets:
-        s.close()
+    """``count`` ports free now, drawn below the kernel's ephemeral range: a port the kernel hands out itself
+    could be taken by some process's outgoing connection before our peer binds it."""
+    low, _ = _ephemeral_range()
+    rng = random.Random()
+    ports: list[int] = []
+    while len(ports) < count:
+        port = rng.randrange(10_000, max(low, 20_000))
+        if port in ports:
+            continue
+        with socket.socket() as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+        ports.append(port)
     return ports
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def local_spec(num_prefill: int, num_decode: int, host: str = "127.0.0.1", port: int = 0, policy: str = "nebula",

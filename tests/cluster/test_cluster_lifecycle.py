@@ -1,0 +1,100 @@
+"""Cluster lifecycles on 127.0.0.1, each test with its own cluster: failover, etcd election, warm start.
+
+Kept apart from test_cluster_e2e so that no other cluster shares the two CPU cores while peers are killed.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from nebula_engine.cluster.launcher import LocalCluster, local_spec
+from nebula_engine.cluster.transfer import nixl_available
+from tests.cluster.test_cluster_e2e import ENGINE, completion, documents, post, rag_segments
+from tests.model_cases import CASES_BY_NAME, checkpoint_factory  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed")
+
+
+@pytest.fixture(scope="module")
+def model_dir(checkpoint_factory):
+    return str(checkpoint_factory(CASES_BY_NAME["qwen3_gqa2_hd20"]))
+
+
+@pytest.fixture
+def failover_cluster(model_dir, tmp_path):
+    """3 prefill + 2 decode peers: a majority survives losing two of them."""
+    with LocalCluster(model_dir, local_spec(3, 2), ENGINE, log_dir=tmp_path / "logs") as running:
+        yield running
+
+
+def run_concurrently(url: str, bodies: list[dict]) -> list[tuple[int, dict]]:
+    results: list = [None] * len(bodies)
+
+    def one(i: int) -> None:
+        try:
+            results[i] = post(url, "/v1/completions", bodies[i], timeout=180)
+        except Exception as error:  # noqa: BLE001  (reported by the assertion below)
+            results[i] = (None, {"exception": repr(error)})
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
+    for thread in threads:
+        thread.start()
+    return results, threads
+
+
+def test_losing_a_prefill_peer_and_then_the_leader_loses_no_request(failover_cluster, model_dir, tmp_path):
+    cluster = failover_cluster
+    leader = cluster.leader()
+    victim = next(p for p in ("prefill-0", "prefill-1", "prefill-2") if p != leader)
+    front = next(p for p in cluster.urls if p not in (leader, victim))
+    bodies = [completion(model_dir, rag_segments([31 + i] * 8, documents(100 + i, 3), [40, 41]),
+                         max_tokens=12, **({"prefill_peer": victim} if i % 2 else {})) for i in range(8)]
+    results, threads = run_concurrently(cluster.urls[front], bodies)
+    cluster.stop_peer(victim, kill=True)  # mid-run: some requests were planned on it
+    for thread in threads:
+        thread.join()
+    assert [status for status, _ in results] == [200] * 8, results
+    assert all(body["usage"]["completion_tokens"] == 12 for _, body in results)
+    assert victim in cluster.state(leader)["router"]["dead"]
+
+    cluster.stop_peer(leader, kill=True)
+    cluster.wait_ready(timeout=60)
+    new_leader = cluster.leader()
+    assert new_leader not in (leader, victim)
+    results, threads = run_concurrently(cluster.urls[front], bodies[:3])
+    for thread in threads:
+        thread.join()
+    assert [status for status, _ in results] == [200] * 3, results
+
+
+def test_a_cluster_can_elect_its_leader_through_etcd(model_dir, etcd_endpoint, tmp_path):
+    spec = local_spec(1, 1, etcd=etcd_endpoint)
+    with LocalCluster(model_dir, spec, ENGINE, log_dir=tmp_path / "logs") as cluster:
+        leader = cluster.leader()
+        assert leader in cluster.urls
+        status, body = post(cluster.urls["decode-0"], "/v1/completions",
+                            {"model": model_dir, "prompt": "a <pic>b c d</pic> e", "max_tokens": 3})
+        assert status == 200 and body["usage"]["completion_tokens"] == 3
+
+
+def test_a_cluster_starts_warm_from_an_offline_prefilled_corpus(model_dir, tmp_path):
+    from nebula_engine.engine.offline_prefill import OfflinePrefill, build_prefill_engine
+
+    docs = documents(seed=7, count=3, length=20)
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("".join(json.dumps({"token_ids": d}) + "\n" for d in docs))
+    disk = tmp_path / "disk"
+    prefill = OfflinePrefill(build_prefill_engine(model_dir, disk, **ENGINE))
+    try:
+        assert prefill.run(corpus).prefilled == 3
+    finally:
+        prefill.close()
+    options = {**ENGINE, "disk_cache_path": str(disk), "disk_cache_tokens": 100_000}
+    with LocalCluster(model_dir, local_spec(1, 0), options, log_dir=tmp_path / "logs") as cluster:
+        status, body = post(cluster.urls["prefill-0"], "/v1/completions",
+                            completion(model_dir, rag_segments([51] * 8, docs, [52, 53])))
+        assert status == 200, body
+        assert body["usage"]["nebula"]["pic_cached_tokens"] == 60
+        assert cluster.state("prefill-0")["pic"]["segment_misses"] == 0  # all three came from the disk tier
