@@ -85,9 +85,13 @@ class LocalCluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         spec_file = Path(self._tmp.name) / "cluster.json"
         spec_file.write_text(self.spec.to_json())
-        for peer in self.spec.peers:
-            self._spawn(peer.name, spec_file)
-        self.wait_ready(timeout)
+        try:
+            for peer in self.spec.peers:
+                self._spawn(peer.name, spec_file)
+            self.wait_ready(timeout)
+        except BaseException:
+            self.stop()  # never leave peers behind when the cluster does not come up
+            raise
         return self
 
     def _peer_options(self, name: str) -> dict:
@@ -115,7 +119,7 @@ class LocalCluster:
     def restart(self, name: str, timeout: float = 180.0) -> None:
         self.stop_peer(name, kill=True)
         self._spawn(name, Path(self._tmp.name) / "cluster.json")
-        self._wait(lambda: self.state(name).get("leader") is not None, timeout, f"{name} to rejoin")
+        self.wait_until(lambda: self.state(name).get("leader") is not None, timeout, f"{name} to rejoin")
 
     def wait_ready(self, timeout: float = 180.0) -> None:
         """Every running peer answers /health (it knows a leader) and all agree on the leader."""
@@ -130,7 +134,7 @@ class LocalCluster:
                     return False
                 leaders.add(state["leader"])
             return len(leaders) == 1 and next(iter(leaders)) in self.processes
-        self._wait(ready, timeout, "the cluster to be ready")
+        self.wait_until(ready, timeout, "the cluster to be ready")
 
     def state(self, name: str) -> dict:
         """GET /cluster of one peer ({} while it does not answer)."""
@@ -147,7 +151,7 @@ class LocalCluster:
                 return state["leader"]
         raise RuntimeError("no peer knows a leader")
 
-    def _wait(self, condition, timeout: float, what: str) -> None:
+    def wait_until(self, condition, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
         while not condition():
             if time.monotonic() > deadline:
