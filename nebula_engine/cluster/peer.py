@@ -26,7 +26,7 @@ from nebula_engine.cluster.frontend import ClusterFrontend
 from nebula_engine.cluster.router import RouterService
 from nebula_engine.cluster.transfer import KVTransferAgent
 from nebula_engine.cluster.transport import Messenger
-from nebula_engine.cluster.worker import WorkerService
+from nebula_engine.cluster.worker import WorkerService, backend_arg
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class Peer:
         self.messenger = Messenger(self.name, f"tcp://{self.me.host}:{self.me.ctrl_port}",
                                    {p.name: p.ctrl_address for p in self.spec.peers if p.name != self.name})
         self.worker = WorkerService(self.name, self.me.role, self.me.worker_index, self.engine, self.agent,
-                                    self.send, lambda: self.leader_name)
+                                    self.send, lambda: self.leader_name, self._pic_key)
         self.worker.local_router = self.dispatch
         model = self.engine.engine.model_runner.model
         self.router = RouterService(self.name, [p.name for p in self.spec.prefill_peers],
@@ -159,13 +159,7 @@ class Peer:
         return best / tokens
 
     def _pic_key(self, spec: str | None, ids: list[int]) -> str:
-        engine = self.engine.engine
-        if spec is None:
-            return ""
-        backend = engine.pic_backend if spec == "" else engine.resolve_request_backend(spec)
-        if backend is None:
-            return ""
-        return engine.model_runner.pic_executor.segment_key(backend, ids)
+        return self.engine.engine.segment_key(backend_arg(spec), ids)
 
     def _election(self) -> LeaderElection:
         if self.spec.etcd:

@@ -105,7 +105,7 @@ class RouterService:
                 self.deliver(holder, wire.Scatter(sender=self.name, task_id=segment.task_id,
                                                   request_id=msg.request_id, segment_index=pic_index,
                                                   key=segment.key, token_ids=list(segments[segment.index][1]),
-                                                  pic_backend=spec or "full"))
+                                                  pic_backend=spec))
                 flight.tasks.add(segment.task_id)
             elif segment.action is Action.COMPUTE:
                 local_tasks.append(segment.task_id)

@@ -61,7 +61,7 @@ class Scatter(Msg):
     segment_index: int
     key: str
     token_ids: list[int]
-    pic_backend: str
+    pic_backend: str  # the request's spec ("" = the engine default); it names ``key``
 
 
 class SourceSpec(msgspec.Struct, array_like=True):

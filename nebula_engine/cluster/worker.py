@@ -32,7 +32,6 @@ from nebula_engine.engine.outputs import RequestOutput
 from nebula_engine.engine.sampling_params import SamplingParams
 from nebula_engine.kvcache.events import CacheKind, EvictEvent, MoveEvent, StoreEvent
 from nebula_engine.kvcache.pool import OutOfPagesError
-from nebula_engine.pic.backends import resolve_pic_backend
 from nebula_engine.pic.segments import PromptSegment, SegmentedPrompt, SegmentKind
 
 logger = logging.getLogger(__name__)
@@ -87,12 +86,14 @@ def _state_from_bytes(data: bytes) -> dict:
 
 class WorkerService:
     def __init__(self, name: str, role: str, worker_index: int, engine: AsyncLLMEngine, agent: KVTransferAgent,
-                 send: Callable[[str, wire.Msg], None], leader: Callable[[], str | None]):
+                 send: Callable[[str, wire.Msg], None], leader: Callable[[], str | None],
+                 pic_key: Callable[[str | None, list[int]], str]):
         self.name, self.role, self.worker_index = name, role, worker_index
         self.engine = engine
         self.agent = agent
         self.send = send
         self.leader = leader
+        self.pic_key = pic_key  # (wire spec, segment ids) -> store key, the same function the router plans with
         self._tags = itertools.count()
         self._pin_replies: dict[str, asyncio.Future] = {}
         self._appeared: dict[str, asyncio.Event] = {}  # PIC key -> set when a task computing it here is done
@@ -125,22 +126,15 @@ class WorkerService:
 
     def _local_keys(self, msg: wire.Combine, segmented: SegmentedPrompt) -> list[str]:
         """PIC keys this combine computes here if they are cold (everything not fetched from a peer)."""
-        engine = self.engine.engine
-        executor = engine.model_runner.pic_executor
-        if msg.pic_backend is None or executor is None:
-            return []
-        backend = engine.pic_backend if msg.pic_backend == "" else resolve_pic_backend(msg.pic_backend,
-                                                                                        engine.model_runner.model)
-        if backend is None:
-            return []
         remote = {s.segment_index for s in msg.sources if s.peer and s.peer != self.name}
-        return [executor.segment_key(backend, segmented.segment_ids(segment))
+        keys = [self.pic_key(msg.pic_backend, segmented.segment_ids(segment))
                 for index, segment in enumerate(segmented.pic_segments) if index not in remote]
+        return [key for key in keys if key]
 
     async def on_scatter(self, msg: wire.Scatter) -> None:
         self._start_computing([msg.key])
         try:
-            backend = resolve_pic_backend(msg.pic_backend, self.engine.engine.model_runner.model)
+            backend = self.engine.engine.resolve_request_backend(backend_arg(msg.pic_backend))
 
             def prefill(engine: LLMEngine) -> None:
                 found = engine.model_runner.pic_executor.lookup_or_prefill(backend, msg.token_ids)
@@ -379,10 +373,8 @@ class WorkerService:
             return
 
         def collect(engine: LLMEngine) -> list[wire.CacheEvent]:
-            executor = engine.model_runner.pic_executor
-            backend = engine.pic_backend if spec == "" else resolve_pic_backend(spec or "full", engine.model_runner.model)
             keys = prompt_keys("", [(s.kind.value, segmented.segment_ids(s)) for s in segmented.segments],
-                               lambda ids: executor.segment_key(backend, ids) if backend else "")
+                               lambda ids: self.pic_key(spec, ids))
             radix, page_size = engine.cache_store.radix, engine.cache_store.page_size
             events = []
             for segment, key in zip(segmented.segments, keys.pc_keys):

@@ -140,6 +140,14 @@ class LLMEngine:
                              "it cannot serve a PIC backend")
         return backend
 
+    def segment_key(self, spec, token_ids) -> str:
+        """The PIC store key of a segment for a request whose backend spec is ``spec`` (``DEFAULT_BACKEND``: the
+        engine's); "" when that request runs without PIC. Router and workers name store entries with this."""
+        backend = self.resolve_request_backend(spec)
+        if backend is None or self.model_runner.pic_executor is None:
+            return ""
+        return self.model_runner.pic_executor.segment_key(backend, token_ids)
+
     # ---- prefill / decode hand-off ----
 
     def held_block_table(self, request_id: str) -> list[int]:
