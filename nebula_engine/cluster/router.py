@@ -31,7 +31,7 @@ class InFlight:
     submit: wire.Submit
     attempt: int
     home: int
-    handed_off: bool = False
+    combine_task: str  # its TaskDone ends the request's time in flight
     tasks: set[str] = field(default_factory=set)
 
 
@@ -97,7 +97,7 @@ class RouterService:
             for peer in self.prefill_peers:
                 self.deliver(peer, wire.PCShare(sender=self.name, pc_share=decision.pc_share))
         home_name = self.prefill_peers[plan.combine_home]
-        sources, local_tasks, flight = [], [], InFlight(msg, attempt, plan.combine_home)
+        sources, local_tasks, flight = [], [], InFlight(msg, attempt, plan.combine_home, plan.combine_task_id)
         for segment in plan.segments:
             pic_index = keys.pic_indices.index(segment.index)
             holder = self.prefill_peers[segment.worker]
@@ -130,7 +130,7 @@ class RouterService:
         self.seen(msg.sender)
         self.control.on_event(DoneEvent(msg.worker_index, self._next_seq(msg.worker_index), msg.task_id), self.clock())
         flight = self.in_flight.get(msg.request_id)
-        if flight is not None and msg.task_id.endswith("/combine"):
+        if flight is not None and msg.task_id == flight.combine_task:
             del self.in_flight[msg.request_id]
 
     def on_cache_events(self, msg: wire.CacheEventMsg) -> None:
@@ -175,7 +175,7 @@ class RouterService:
                 self.control.view.forget_worker(worker)
                 self.control.view.reserve(f"dead/{peer}", worker, DEAD_LOAD)
                 for request_id, flight in list(self.in_flight.items()):
-                    if flight.home == worker and not flight.handed_off:
+                    if flight.home == worker:
                         self._replan(request_id, flight)
         return newly_dead
 

@@ -111,7 +111,6 @@ class TaskDone(Msg):
     worker_index: int
     task_id: str
     request_id: str = ""
-    handed_off: bool = False  # the combine finished and the request's KV left for its decode peer
 
 
 # ---- worker <-> worker ----

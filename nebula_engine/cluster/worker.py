@@ -152,7 +152,6 @@ class WorkerService:
     async def on_combine(self, msg: wire.Combine) -> None:
         task = asyncio.current_task()
         self._streams[msg.request_id] = task
-        handed_off = False
         computing: list[str] = []
         try:
             segmented = segmented_from_wire(msg.token_ids, msg.segments)
@@ -164,32 +163,34 @@ class WorkerService:
             if remote:
                 await asyncio.gather(*(self._fetch(s, segmented, msg.pic_backend) for s in remote))
             if msg.decode_peer and msg.decode_peer != self.name:
-                handed_off = await self._prefill_and_hand_off(msg, segmented, params, backend)
+                await self._prefill_and_hand_off(msg, segmented, params, backend)
             else:
                 await self._serve_locally(msg, segmented, params, backend)
             self._report_prompt_cached(segmented, msg.pic_backend)
         except ValueError as error:  # (the request's own fault: bad backend for this model, ...)
-            self.send(msg.frontend, wire.Failed(sender=self.name, request_id=msg.request_id, attempt=msg.attempt,
-                                                message=str(error), client_error=True))
+            self._fail(msg, str(error), client_error=True)
         except asyncio.CancelledError:
             raise
         except Exception as error:
             logger.exception("combine of %s failed", msg.request_id)
-            self.send(msg.frontend, wire.Failed(sender=self.name, request_id=msg.request_id, attempt=msg.attempt,
-                                                message=f"prefill failed: {error!r}", client_error=False))
+            self._fail(msg, f"prefill failed: {error!r}", client_error=False)
         finally:
             self._stop_computing(computing)
             self._streams.pop(msg.request_id, None)
             for task_id in [msg.task_id, *msg.local_task_ids]:
                 self._report(wire.TaskDone(sender=self.name, worker_index=self.worker_index, task_id=task_id,
-                                           request_id=msg.request_id, handed_off=handed_off))
+                                           request_id=msg.request_id))
+
+    def _fail(self, msg: wire.Combine | wire.Handoff, message: str, client_error: bool) -> None:
+        self.send(msg.frontend, wire.Failed(sender=self.name, request_id=msg.request_id, attempt=msg.attempt,
+                                            message=message, client_error=client_error))
 
     async def _serve_locally(self, msg: wire.Combine, segmented, params, backend) -> None:
         engine_id = engine_request_id(msg.request_id, msg.attempt)
         async for output in self.engine.generate(engine_id, segmented, params, backend):
             self.send(msg.frontend, output_to_wire(self.name, msg.request_id, output, msg.attempt))
 
-    async def _prefill_and_hand_off(self, msg: wire.Combine, segmented, params, backend) -> bool:
+    async def _prefill_and_hand_off(self, msg: wire.Combine, segmented, params, backend) -> None:
         engine_id = engine_request_id(msg.request_id, msg.attempt)
         first = await self.engine.generate_held(engine_id, segmented, replace(params, max_tokens=1), backend)
         completion = first.outputs[0]
@@ -197,7 +198,7 @@ class WorkerService:
         if done_here:  # finished on its first token: nothing to hand off
             await self.engine.call(lambda e: e.release_held(engine_id))
             self.send(msg.frontend, output_to_wire(self.name, msg.request_id, first, msg.attempt))
-            return False
+            return
         first.finished = False
         first.outputs[0].finish_reason = None
         self.send(msg.frontend, output_to_wire(self.name, msg.request_id, first, msg.attempt))  # first token (TTFT)
@@ -216,7 +217,6 @@ class WorkerService:
         finally:
             self._handoffs.pop(engine_id, None)
             await self.engine.call(lambda e: e.release_held(engine_id))
-        return True
 
     def on_handoff_done(self, msg: wire.HandoffDone) -> None:
         future = self._handoffs.get(msg.request_id)
@@ -341,8 +341,7 @@ class WorkerService:
             raise
         except Exception as error:
             logger.exception("decode of %s failed", msg.request_id)
-            self.send(msg.frontend, wire.Failed(sender=self.name, request_id=msg.request_id, attempt=msg.attempt,
-                                                message=f"decode failed: {error!r}", client_error=False))
+            self._fail(msg, f"decode failed: {error!r}", client_error=False)
         finally:
             self._streams.pop(msg.request_id, None)
 

@@ -105,11 +105,13 @@ class PICExecutor:
             else:
                 cold.setdefault(key, list(ids))
         created = self.prefill_segments(backend, cold) if cold else {}
+        handed_out: set[str] = set()
         for i, key in enumerate(keys):
-            if entries[i] is None:
-                entries[i] = created.get(key)
-                if entries[i] is not None and entries[i].lock_ref and i != keys.index(key):
-                    self.cache.pic.lock(entries[i])  # one lock per returned handle
+            if entries[i] is None and created.get(key) is not None:
+                entries[i] = created[key]
+                if key in handed_out:  # a repeated segment: one lock per returned handle
+                    self.cache.pic.lock(entries[i])
+                handed_out.add(key)
         self.stats.segment_misses += sum(1 for e in created.values() if e is not None)
         self.stats.segment_skipped += sum(1 for e in created.values() if e is None)
         return entries

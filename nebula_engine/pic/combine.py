@@ -113,8 +113,7 @@ def blended_forward(run: CombineRun, rows: torch.Tensor, selection: RowSelection
             hidden, rows = hidden[keep], rows[keep]
         else:
             hidden = layer(rows, hidden, run.context(rows))
-    reused = set(run.layout.reused_positions)
-    return CombineResult(model.model.norm(hidden[-1:]), sum(1 for p in rows.tolist() if p in reused))
+    return CombineResult(model.model.norm(hidden[-1:]), run.layout.count_reused(rows.tolist()))
 
 
 def place_reused_kv(run: CombineRun) -> None:

@@ -66,9 +66,16 @@ class CombineLayout:
         return [p for span in self.reused for p in range(span.start, span.end)]
 
     @cached_property
+    def reused_position_set(self) -> frozenset[int]:
+        return frozenset(self.reused_positions)
+
+    @cached_property
     def fresh_positions(self) -> list[int]:
-        reused = set(self.reused_positions)
-        return [p for p in range(self.prefix_len, self.num_tokens) if p not in reused]
+        return [p for p in range(self.prefix_len, self.num_tokens) if p not in self.reused_position_set]
+
+    def count_reused(self, positions: Sequence[int]) -> int:
+        """How many of ``positions`` are reused ones (e.g. the reused tokens a combine recomputed)."""
+        return sum(1 for p in positions if p in self.reused_position_set)
 
     @property
     def num_reused(self) -> int:

@@ -103,9 +103,7 @@ class HYPIC(PICBackend):
                 mixed = layer.self_attn(rows, normed, ctx)
             hidden = hidden + mixed
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        reused = set(run.layout.reused_positions)
-        return CombineResult(model.model.norm(hidden[-1:]), sum(1 for p in rows.tolist() if p in reused),
-                             final_states)
+        return CombineResult(model.model.norm(hidden[-1:]), run.layout.count_reused(rows.tolist()), final_states)
 
     def _linear_layer(self, mixer, normed: torch.Tensor, rows: torch.Tensor, tails: list[ReusedSpan],
                       run: CombineRun, linear_idx: int) -> tuple[torch.Tensor, LinearAttentionState]:

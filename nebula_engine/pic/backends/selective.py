@@ -52,19 +52,15 @@ class CheckLayerBackend(PICBackend):
     def keep(self, run: CombineRun, rows: torch.Tensor, scores: torch.Tensor, ratio: float) -> torch.Tensor:
         """Indices into ``rows``: every fresh row plus the ``ratio`` share of reused tokens with top ``scores``
         (``scores`` [R] over the reused rows still in ``rows``, in order)."""
-        reused_positions = self._reused_set(run)
+        reused_positions = run.layout.reused_position_set
         reused = torch.tensor([p in reused_positions for p in rows.tolist()], device=rows.device, dtype=torch.bool)
         count = min(int(math.floor(ratio * run.layout.num_reused + 1e-9)), int(reused.sum()))
         reused_index = reused.nonzero().flatten()
         chosen = reused_index[select_top_tokens(scores, count)] if count else reused_index[:0]
         return torch.cat([(~reused).nonzero().flatten(), chosen]).sort().values
 
-    @staticmethod
-    def _reused_set(run: CombineRun) -> set[int]:
-        return set(run.layout.reused_positions)
-
     def reused_rows(self, run: CombineRun, rows: torch.Tensor) -> torch.Tensor:
-        reused = self._reused_set(run)
+        reused = run.layout.reused_position_set
         return rows[torch.tensor([p in reused for p in rows.tolist()], device=rows.device, dtype=torch.bool)]
 
     def combine_cost(self, layout: CombineLayout, num_layers: int) -> float:
