@@ -21,6 +21,7 @@ import logging
 from dataclasses import replace
 from typing import Any, Callable
 
+import msgspec
 import torch
 
 from nebula_engine.cluster import wire
@@ -212,11 +213,18 @@ class WorkerService:
             cached=[first.num_prefix_cached_tokens, first.num_pic_cached_tokens, first.num_recomputed_tokens]))
         try:
             await asyncio.wait_for(handoff_done, TRANSFER_TIMEOUT_S + 5)
+            return
         except asyncio.TimeoutError:
-            logger.warning("decode peer %s did not confirm the hand-off of %s", msg.decode_peer, msg.request_id)
+            logger.warning("decode peer %s did not confirm the hand-off of %s: decoding it here",
+                           msg.decode_peer, msg.request_id)
         finally:
             self._handoffs.pop(engine_id, None)
             await self.engine.call(lambda e: e.release_held(engine_id))
+        # the decode peer is gone (or too slow to trust): serve the request here under a new attempt, so the
+        # front end ignores anything a late decode peer might still send
+        again = msgspec.structs.replace(msg, attempt=msg.attempt + 1)
+        self.send(msg.frontend, wire.Replanned(sender=self.name, request_id=msg.request_id, attempt=again.attempt))
+        await self._serve_locally(again, segmented, params, backend)
 
     def on_handoff_done(self, msg: wire.HandoffDone) -> None:
         future = self._handoffs.get(msg.request_id)

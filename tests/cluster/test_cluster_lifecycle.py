@@ -100,3 +100,17 @@ def test_a_cluster_starts_warm_from_an_offline_prefilled_corpus(model_dir, tmp_p
         assert status == 200, body
         assert body["usage"]["nebula"]["pic_cached_tokens"] == 60
         assert cluster.state("prefill-0")["pic"]["segment_misses"] == 0  # all three came from the disk tier
+
+
+def test_requests_survive_losing_their_decode_peer(model_dir, tmp_path):
+    """decode-0 is the decode peer the router picks first; for ~3 s after it dies the router still picks it.
+    The prefill home then decodes those requests itself, under a new attempt."""
+    with LocalCluster(model_dir, local_spec(2, 2), ENGINE, log_dir=tmp_path / "logs") as cluster:
+        cluster.stop_peer("decode-0", kill=True)
+        bodies = [completion(model_dir, rag_segments([61 + i] * 8, documents(200 + i, 2), [62]), max_tokens=5)
+                  for i in range(3)]
+        results, threads = run_concurrently(cluster.urls["prefill-1"], bodies)
+        for thread in threads:
+            thread.join()
+        assert [status for status, _ in results] == [200] * 3, results
+        assert all(body["usage"]["completion_tokens"] == 5 for _, body in results)
