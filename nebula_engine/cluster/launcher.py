@@ -22,7 +22,7 @@ from pathlib import Path
 from nebula_engine.cluster.peer import ClusterSpec, PeerSpec
 
 
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+def free_ports(count: int, host: str = "127.0.0.1", avoid: list[int] = ()) -> list[int]:
     """``count`` ports free now, drawn below the kernel's ephemeral range: a port the kernel hands out itself
     could be taken by some process's outgoing connection before our peer binds it."""
     low, _ = _ephemeral_range()
@@ -30,7 +30,7 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     ports: list[int] = []
     while len(ports) < count:
         port = rng.randrange(10_000, max(low, 20_000))
-        if port in ports:
+        if port in ports or port in avoid:
             continue
         with socket.socket() as probe:
             try:
@@ -55,8 +55,9 @@ def local_spec(num_prefill: int, num_decode: int, host: str = "127.0.0.1", port:
     if num_prefill < 1 or num_decode < 0:
         raise ValueError(f"need >= 1 prefill and >= 0 decode workers, got {num_prefill} and {num_decode}")
     count = num_prefill + num_decode
-    internal = free_ports(2 * count, host)
-    http = free_ports(count, host) if port == 0 else [port + i for i in range(count)]
+    fixed_http = [] if port == 0 else [port + i for i in range(count)]
+    ports = free_ports(3 * count - len(fixed_http), host, avoid=fixed_http)  # one draw: no port handed out twice
+    internal, http = ports[:2 * count], fixed_http or ports[2 * count:]
     peers = []
     for i in range(count):
         role, index = ("prefill", i) if i < num_prefill else ("decode", -1)
