@@ -113,15 +113,17 @@ class GGUFCheckpoint:
 
     def _rope_scaling(self) -> dict[str, Any]:
         scaling = self.metadata(f"{self.architecture}.rope.scaling.type", "none")
-        if _ROPE_FREQS in self._tensors and scaling == "none":
+        has_factors = _ROPE_FREQS in self._tensors
+        if scaling == "none" and has_factors:
             factors = self._dequantize(self._tensor(_ROPE_FREQS))
             return {"rope_type": "freq_factors", "freq_factors": factors.reshape(-1).tolist()}
         if scaling == "none":
             return {}
-        if scaling == "linear" and _ROPE_FREQS not in self._tensors:
+        if scaling == "linear" and not has_factors:
             return {"rope_type": "linear", "factor": self.metadata(f"{self.architecture}.rope.scaling.factor")}
-        raise ValueError(f"GGUF RoPE scaling {scaling!r}" + (" with rope_freqs" if _ROPE_FREQS in self._tensors
-                         else "") + " is not supported; supported: none, linear, llama3 (rope_freqs)")
+        described = repr(scaling) + (" with rope_freqs" if has_factors else "")
+        raise ValueError(f"GGUF RoPE scaling {described} is not supported; "
+                         "supported: none, linear, llama3 (rope_freqs)")
 
     def weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, tensor in ``dtype``) for every model tensor, dequantized one at a time."""
