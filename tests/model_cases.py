@@ -27,7 +27,13 @@ class ModelCase:
         return self.name
 
 
+_LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # the 3 wavelength bands at D=16
 MODEL_CASES: tuple[ModelCase, ...] = (
+    ModelCase("llama_gqa2", "llama", seed=11),
+    ModelCase("llama3_rope_scaling_tied", "llama", dict(tie_word_embeddings=True, rope_parameters=_LLAMA3_ROPE), seed=12),
+    ModelCase("llama_attention_mlp_bias_mqa", "llama",
+              dict(attention_bias=True, mlp_bias=True, num_key_value_heads=1, head_dim=24), seed=13),
     ModelCase("mistral_gqa2", "mistral"),
     ModelCase("mistral_sliding_window6", "mistral", dict(sliding_window=6), seed=7),
     ModelCase("mistral_mqa_hd24_tied", "mistral",

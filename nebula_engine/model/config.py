@@ -16,11 +16,17 @@ _REQUIRED = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_he
 _NO_DENSE_MLP = ("qwen3_5_moe", "qwen3_5_moe_text")
 # transformers' default partial_rotary_factor where config.json may omit it (Qwen3.5 rotates 1/4 of each head)
 _DEFAULT_PARTIAL_ROTARY = {"qwen3_5_text": 0.25, "qwen3_5_moe_text": 0.25}
+_ROPE_TYPES = ("linear", "yarn", "llama3", "freq_factors")
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Frequency scaling of RoPE: ``linear`` (position interpolation) or ``yarn``."""
+    """Frequency scaling of RoPE.
+
+    ``linear`` (position interpolation), ``yarn``, ``llama3`` (Llama 3.1: long wavelengths divided by
+    ``factor``, a smooth ramp between ``low_freq_factor`` and ``high_freq_factor``), or ``freq_factors``:
+    each ``inv_freq_i`` divided by ``freq_factors[i]``, the form llama.cpp stores llama3 scaling in a GGUF.
+    """
 
     type: str
     factor: float
@@ -31,6 +37,9 @@ class RopeScaling:
     mscale_all_dim: float | None = None
     attention_factor: float | None = None  # None => derived from factor / mscale (YaRN)
     truncate: bool = True
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    freq_factors: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -62,6 +71,7 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    mlp_bias: bool = False
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -106,6 +116,7 @@ class ModelConfig:
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", False)),
+            mlp_bias=bool(raw.get("mlp_bias", False)),
             hidden_act=raw.get("hidden_act", "silu"),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_as_int_tuple(raw.get("eos_token_id")),
@@ -185,10 +196,22 @@ def parse_rope(raw: Mapping[str, Any], head_dim: int, style: str = "neox") -> Ro
 def _parse_scaling(rope_type: str, params: Mapping[str, Any], raw: Mapping[str, Any]) -> RopeScaling | None:
     if rope_type == "default":
         return None
-    if rope_type not in ("linear", "yarn"):
-        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, linear, yarn")
+    if rope_type not in _ROPE_TYPES:
+        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, {', '.join(_ROPE_TYPES)}")
     if rope_type == "linear":
         return RopeScaling(type="linear", factor=float(params["factor"]))
+    if rope_type == "freq_factors":
+        return RopeScaling(type="freq_factors", factor=1.0,
+                           freq_factors=tuple(float(f) for f in params["freq_factors"]))
+    if rope_type == "llama3":
+        return RopeScaling(
+            type="llama3",
+            factor=float(params["factor"]),
+            original_max_position_embeddings=int(params.get("original_max_position_embeddings")
+                                                 or raw["max_position_embeddings"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+        )
     original_max = params.get("original_max_position_embeddings") or raw.get("max_position_embeddings")
     factor = params.get("factor") or raw["max_position_embeddings"] / original_max
     return RopeScaling(

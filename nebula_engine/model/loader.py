@@ -1,4 +1,4 @@
-"""Find a checkpoint (local dir or hub id), build the model for its ``model_type``, load safetensors."""
+"""Find a checkpoint (local dir, .gguf file or hub id), build the model for its ``model_type``, load its weights."""
 
 from __future__ import annotations
 
@@ -18,11 +18,18 @@ from nebula_engine.model.registry import get_model_class
 _HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.tiktoken", "*.model", "*.txt"]
 
 
-def resolve_checkpoint_dir(model: str) -> Path:
-    """A local directory as is; otherwise a hub id fetched (or found in cache) by snapshot_download."""
+def resolve_checkpoint(model: str) -> Path:
+    """Where ``model``'s weights are: a ``.gguf`` file, a checkpoint directory, or a hub id's snapshot.
+
+    A directory without ``config.json`` that holds exactly one ``.gguf`` file means that file.
+    """
     path = Path(model).expanduser()
-    if path.is_dir():
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"{path} is a file but not a .gguf; give a checkpoint directory or a .gguf file")
         return path
+    if path.is_dir():
+        return _single_gguf(path) if not (path / "config.json").is_file() else path
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
@@ -32,6 +39,15 @@ def resolve_checkpoint_dir(model: str) -> Path:
     except LocalEntryNotFoundError as exc:
         hint = "HF_HUB_OFFLINE is set and it is not in the local cache" if offline else "it could not be fetched"
         raise FileNotFoundError(f"{model!r} is not a local directory and {hint}: {exc}") from exc
+
+
+def _single_gguf(directory: Path) -> Path:
+    """The one ``.gguf`` in a directory with no config.json (else the directory, for a clear error later)."""
+    files = sorted(directory.glob("*.gguf"))
+    if len(files) > 1:
+        raise ValueError(f"{directory} holds {len(files)} .gguf files ({', '.join(f.name for f in files)}) "
+                         "and no config.json: name the file to load")
+    return files[0] if files else directory
 
 
 def safetensors_files(checkpoint_dir: Path) -> list[Path]:
@@ -85,9 +101,20 @@ def build_model(config: ModelConfig, dtype: torch.dtype = torch.float32,
 
 def load_model(model: str, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu") -> tuple[nn.Module, ModelConfig, Path]:
-    """Resolve ``model`` (dir or hub id), build it and load its weights; returns (module, config, dir)."""
-    checkpoint_dir = resolve_checkpoint_dir(model)
-    config = ModelConfig.from_hf(checkpoint_dir)
+    """Resolve ``model`` (dir, .gguf file or hub id), build it and load its weights.
+
+    Returns (module, config, source): the checkpoint directory or the .gguf file, where its tokenizer is too.
+    """
+    source = resolve_checkpoint(model)
+    if source.suffix == ".gguf" and source.is_file():
+        from nebula_engine.model.gguf_loader import GGUFCheckpoint
+
+        gguf = GGUFCheckpoint(source)
+        config = ModelConfig.from_hf(gguf.hf_config())
+        weights = gguf.weights(dtype)
+    else:
+        config = ModelConfig.from_hf(source)
+        weights = iter_safetensors(safetensors_files(source))
     module = build_model(config, dtype, device)
-    module.load_weights(iter_safetensors(safetensors_files(checkpoint_dir)))
-    return module.eval(), config, checkpoint_dir
+    module.load_weights(weights)
+    return module.eval(), config, source

@@ -7,6 +7,7 @@ import importlib
 from torch import nn
 
 _MODELS: dict[str, str] = {
+    "llama": "nebula_engine.model.llama:LlamaForCausalLM",
     "mistral": "nebula_engine.model.mistral:MistralForCausalLM",
     "qwen3": "nebula_engine.model.qwen3:Qwen3ForCausalLM",
     "qwen3_moe": "nebula_engine.model.qwen3_moe:Qwen3MoeForCausalLM",

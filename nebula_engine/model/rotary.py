@@ -1,4 +1,4 @@
-"""Rotary position embedding: frequencies (default, linear, YaRN) and the two pairings.
+"""Rotary position embedding: frequencies (default, linear, YaRN, Llama 3) and the two pairings.
 
 Legend: T = tokens, H = heads, D = head dim, r = rotary dims (the leading ``r`` of ``D``).
 Formulas follow transformers' ``modeling_rope_utils`` so frequencies match it bit for bit.
@@ -24,7 +24,25 @@ def rope_inv_freq(rope: RopeConfig) -> tuple[torch.Tensor, float]:
         return 1.0 / pos_freqs, 1.0
     if scaling.type == "linear":
         return 1.0 / pos_freqs / scaling.factor, 1.0
+    if scaling.type == "llama3":
+        return _llama3_inv_freq(1.0 / pos_freqs, scaling), 1.0
+    if scaling.type == "freq_factors":
+        if len(scaling.freq_factors) != dim // 2:
+            raise ValueError(f"{len(scaling.freq_factors)} RoPE freq_factors for {dim // 2} frequency pairs")
+        return 1.0 / pos_freqs / torch.tensor(scaling.freq_factors, dtype=torch.float32), 1.0
     return _yarn_inv_freq(pos_freqs, rope.theta, dim, scaling), yarn_attention_factor(scaling)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    """Llama 3.1: wavelengths past ``original / low_freq_factor`` slowed by ``factor``, those under
+    ``original / high_freq_factor`` kept, a linear blend in between."""
+    original = scaling.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    slowed = torch.where(wavelen > original / scaling.low_freq_factor, inv_freq / scaling.factor, inv_freq)
+    smooth = (original / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - smooth) * slowed / scaling.factor + smooth * slowed
+    is_medium = (wavelen >= original / scaling.high_freq_factor) & (wavelen <= original / scaling.low_freq_factor)
+    return torch.where(is_medium, blended, slowed)
 
 
 def _yarn_inv_freq(pos_freqs: torch.Tensor, theta: float, dim: int, scaling: RopeScaling) -> torch.Tensor:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-TINY_FAMILIES = ("mistral", "qwen3", "qwen3_moe", "deepseek_v2", "qwen3_5", "qwen3_5_moe")
+TINY_FAMILIES = ("llama", "mistral", "qwen3", "qwen3_moe", "deepseek_v2", "qwen3_5", "qwen3_5_moe")
 
 QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHATML_TEMPLATE = (
@@ -42,6 +42,7 @@ _HYBRID_DEFAULTS: dict[str, Any] = dict(
                      "mrope_section": [2, 1, 1], "mrope_interleaved": True},
 )
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {},
     "mistral": dict(sliding_window=None),  # as in Mistral-7B-v0.2
     "qwen3": {},
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
@@ -55,13 +56,16 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3_5_moe": dict(_HYBRID_DEFAULTS, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                         shared_expert_intermediate_size=48),
 }
+# families with a SentencePiece tokenizer and BOS (Llama 2's kind); the rest use Qwen's byte-level BPE
+_SENTENCEPIECE_FAMILIES = ("llama", "mistral")
 # fields the family's HF config does not have (Qwen3.5-MoE: every layer is MoE, no dense width)
 _DROPPED_FIELDS: dict[str, tuple[str, ...]] = {"qwen3_5_moe": ("intermediate_size",)}
 
 
 def _tokenizer_source(family: str) -> Path:
-    """Mistral's own; every other family (DeepSeek too: any real offline tokenizer will do) reuses Qwen's."""
-    return _mistral_tokenizer_dir() if family == "mistral" else _qwen_tokenizer_dir()
+    """Mistral's own (for Llama too); every other family (DeepSeek too: any real offline tokenizer will do)
+    reuses Qwen's."""
+    return _mistral_tokenizer_dir() if family in _SENTENCEPIECE_FAMILIES else _qwen_tokenizer_dir()
 
 
 @functools.cache
@@ -112,7 +116,7 @@ def _special_ids(family: str, tokenizer_dir: Path) -> tuple[int, int, int]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    if family == "mistral":
+    if family in _SENTENCEPIECE_FAMILIES:
         return len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id
     ids = tokenizer.convert_tokens_to_ids(list(QWEN_SPECIAL_TOKENS))
     return len(tokenizer), ids[0], ids[2]
@@ -122,6 +126,7 @@ def _hf_model(family: str, settings: dict[str, Any]) -> torch.nn.Module:
     import transformers
 
     config_class, model_class = {
+        "llama": ("LlamaConfig", "LlamaForCausalLM"),
         "mistral": ("MistralConfig", "MistralForCausalLM"),
         "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
         "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
@@ -135,9 +140,10 @@ def _hf_model(family: str, settings: dict[str, Any]) -> torch.nn.Module:
 
 @torch.no_grad()
 def _perturb_norms(model: torch.nn.Module, generator: torch.Generator) -> None:
-    """Around each norm's initial value: 1 for ``x * w`` norms, 0 for zero-centred ``x * (1 + w)`` ones."""
+    """Around each norm's initial value (1 for ``x * w`` norms, 0 for zero-centred ``x * (1 + w)`` ones), and
+    biases away from HF's zero init, so that a dropped norm weight or bias shows up in logits."""
     for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
+        if name.endswith(("norm.weight", ".bias")):
             param.copy_(param + 0.2 * torch.randn(param.shape, generator=generator))
 
 

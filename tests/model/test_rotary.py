@@ -78,6 +78,11 @@ HF_ROPE_PARAMETERS = [
      "mscale": 1.0, "mscale_all_dim": 0.5, "partial_rotary_factor": 0.5},
     {"rope_type": "yarn", "rope_theta": 5e5, "factor": 2.0, "original_max_position_embeddings": 8192,
      "attention_factor": 1.3, "truncate": False},
+    # Llama 3.1 8B's values; then a short original context, so every band (kept, blended, slowed) is hit
+    {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 8192},
+    {"rope_type": "llama3", "rope_theta": 1e4, "factor": 32.0, "low_freq_factor": 2.0, "high_freq_factor": 8.0,
+     "original_max_position_embeddings": 256},
 ]
 
 

@@ -115,9 +115,9 @@ def test_shift_latent_pages_touches_only_k_pe():
         shift_latent_pages(latent_cache, pages, 9, delta, rotary, rope_dim)  # 9 tokens > 2 pages of 4
 
 
-@pytest.mark.parametrize("case", ["qwen3_gqa2_hd20", "qwen3_yarn"])
+@pytest.mark.parametrize("case", ["qwen3_gqa2_hd20", "qwen3_yarn", "llama3_rope_scaling_tied"])
 def test_real_model_keys_shift_to_their_new_positions(case, tmp_path_factory):
-    """A segment's K through layer 0 (k_proj, k_norm, RoPE) at 0..n-1, shifted by Δ, equals K at Δ..Δ+n-1."""
+    """A segment's K through layer 0 (k_proj, k_norm if any, RoPE) at 0..n-1, shifted by Δ, equals K at Δ..Δ+n-1."""
     from nebula_engine.model.loader import load_model
 
     # same root as test_segments: each checkpoint is written once per session
@@ -129,8 +129,8 @@ def test_real_model_keys_shift_to_their_new_positions(case, tmp_path_factory):
     @torch.no_grad()
     def keys_at(positions: torch.Tensor) -> torch.Tensor:
         x = model.model.layers[0].input_layernorm(model.model.embed_tokens(token_ids))
-        k = attn.k_norm(attn.k_proj(x).view(n, attn.num_kv_heads, attn.head_dim))  # [T, Hkv, D]
-        return attn.rotary(positions, k)
+        k = attn.k_proj(x).view(n, attn.num_kv_heads, attn.head_dim)  # [T, Hkv, D]
+        return attn.rotary(positions, attn.k_norm(k) if attn.qk_norm else k)
 
     local = keys_at(torch.arange(n))
     shifted = shift_keys(local, delta, attn.rotary)
