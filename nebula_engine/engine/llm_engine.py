@@ -109,6 +109,11 @@ class LLMEngine:
                              f"max_model_len is {self.max_model_len}")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if len(params.stop_token_ids) > vocab:  # more than the vocabulary: repeats, checked on every token
+            raise ValueError(f"stop_token_ids holds {len(params.stop_token_ids)} ids; the vocabulary has {vocab}")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad[:5]} outside the vocabulary [0, {vocab})")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int] | SegmentedPrompt, params: SamplingParams,
                     prompt: str | None = None, pic_backend: str | None | object = DEFAULT_BACKEND,
