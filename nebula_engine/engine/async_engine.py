@@ -8,8 +8,9 @@ Invariants:
   while the engine is idle, so an idle engine costs nothing and a new request wakes it at once.
 - Each request's outputs are delivered on the caller's own event loop (``call_soon_threadsafe``), in order;
   the last item is a finished ``RequestOutput`` or an exception, after which the request is forgotten.
-- A failing ``step`` fails every request in the engine with ``EngineError`` (we cannot tell which ones the
-  failed batch held), aborts them so their pages are freed, and the loop keeps serving new requests.
+- A request whose own work failed inside a step (``RequestOutput.error``) ends with ``EngineError``; the
+  others go on. A ``step`` that raises is the engine's failure, not one request's: it fails every request in
+  the engine with ``EngineError``, aborts them so their pages are freed, and the loop keeps serving new requests.
 """
 
 from __future__ import annotations
@@ -279,7 +280,10 @@ class AsyncLLMEngine:
             self._fail_in_flight(EngineError(f"engine step failed: {exc!r}"))
             return
         for output in outputs:
-            if output.finished:
+            if output.error is not None:
+                self._in_engine.discard(output.request_id)
+                self._deliver_last(output.request_id, EngineError(output.error))
+            elif output.finished:
                 self._in_engine.discard(output.request_id)
                 self._deliver_last(output.request_id, output)
             else:

@@ -43,7 +43,9 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  pic_backend: str | None | object = DEFAULT_BACKEND) -> list[RequestOutput]:
-        """One ``RequestOutput`` per prompt, in input order. Invalid input raises ValueError first."""
+        """One ``RequestOutput`` per prompt, in input order. Invalid input raises ValueError first. A request the
+        engine failed while running comes back finished with ``finish_reason == "error"`` and ``error`` set; the
+        others are unaffected."""
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         requests = [self._tokenize(p) for p in prompts]
         return self._run(requests, self._params_per_prompt(sampling_params, len(requests)), pic_backend)

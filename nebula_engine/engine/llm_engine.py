@@ -109,6 +109,11 @@ class LLMEngine:
                              f"max_model_len is {self.max_model_len}")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if len(params.stop_token_ids) > vocab:  # more than the vocabulary: repeats, checked on every token
+            raise ValueError(f"stop_token_ids holds {len(params.stop_token_ids)} ids; the vocabulary has {vocab}")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad[:5]} outside the vocabulary [0, {vocab})")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int] | SegmentedPrompt, params: SamplingParams,
                     prompt: str | None = None, pic_backend: str | None | object = DEFAULT_BACKEND,
@@ -199,22 +204,39 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; returns a ``RequestOutput`` (cumulative so far) for every request that
-        got a token in it, ``finished`` set on those that stopped."""
+        got a token in it, ``finished`` set on those that stopped. A request whose own work failed in this step
+        (``ModelRunnerOutput.failed``, or its output processing) is aborted and returned finished with ``error``
+        set; the others go on. An exception out of ``step`` is the engine's, not one request's."""
         output = self.scheduler.schedule()
         if output.is_empty:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress with requests pending (pool too small?)")
             return []
         result = self.model_runner.execute_model(output)
-        self.scheduler.advance(output)
-        outputs = []
+        self.scheduler.advance(output, failed=result.failed)
+        outputs = [self._fail(seq_id, exc) for seq_id, exc in result.failed.items()]
         for seq_id, token_id, logprob in zip(result.seq_ids, result.sampled.token_ids, result.sampled.logprobs):
             seq = self._sequences[seq_id]
-            seq.append_token(token_id, logprob)
-            decision = self.output_processor.process_token(seq)
-            if decision is not None:
-                self.scheduler.finish(seq, decision.finish_reason, decision.stop_reason)
-                outputs.append(self.output_processor.finish(self._sequences.pop(seq_id)))
-            else:
-                outputs.append(self.output_processor.snapshot(seq))
+            try:
+                outputs.append(self._append_token(seq, token_id, logprob))
+            except Exception as exc:  # this request's detokenization or stop check
+                logger.error("request %s failed while processing its output", seq_id, exc_info=exc)
+                outputs.append(self._fail(seq_id, exc))
         return outputs
+
+    def _append_token(self, seq: Sequence, token_id: int, logprob: float) -> RequestOutput:
+        seq.append_token(token_id, logprob)
+        decision = self.output_processor.process_token(seq)
+        if decision is None:
+            return self.output_processor.snapshot(seq)
+        self.scheduler.finish(seq, decision.finish_reason, decision.stop_reason)
+        return self.output_processor.finish(self._sequences.pop(seq.seq_id))
+
+    def _fail(self, seq_id: str, exc: Exception) -> RequestOutput:
+        """Abort ``seq_id`` (its pages go back to the pool) and return its finished output with the error."""
+        seq = self._sequences.pop(seq_id)
+        self.scheduler.abort(seq)
+        seq.finish_reason = "error"
+        output = self.output_processor.finish(seq)
+        output.error = f"the engine failed this request ({type(exc).__name__}: {exc})"
+        return output

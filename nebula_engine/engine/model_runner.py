@@ -4,11 +4,17 @@ Legend: T = new tokens in the batch, B = scheduled sequences, S = page size, L =
 Models with linear-attention layers also carry per-sequence state in the storage's state slots: each step
 loads the scheduled sequences' states (none for a sequence starting at token 0, which also covers
 recompute after preemption), runs ``forward_with_states`` and stores the states it returns.
+
+A failure is pinned on the requests that cause it, which fail alone (``ModelRunnerOutput.failed``): a combine
+prefill and a row's sampling state are per request; when the batched forward raises, it runs again on each half
+of the batch, down to the sequences that make it fail. A retry is safe: it rewrites the same KV slots with the
+same values, and linear-attention states are stored only after a forward succeeds.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -20,6 +26,8 @@ from nebula_engine.kernels.mla_attention import mla_backend_for
 from nebula_engine.kvcache.pool import KVCacheStorage
 from nebula_engine.kvcache.spec import MLALatentSpec
 from nebula_engine.model.gated_deltanet import LinearAttentionState
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -34,6 +42,7 @@ class ModelInputs:
 class ModelRunnerOutput:
     seq_ids: list[str]  # sequences that sampled a token this step, in batch order
     sampled: SamplerOutput
+    failed: dict[str, Exception] = field(default_factory=dict)  # seq id -> the error that stopped it this step
 
 
 class ModelRunner:
@@ -53,26 +62,61 @@ class ModelRunner:
     def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
         for seq_id in output.finished_seq_ids:
             self.sampler.release(seq_id)
-        hidden = [self.forward(output.scheduled)] if output.scheduled else []
-        hidden += [self.pic_executor.run(entry) for entry in output.combines]
-        sampling = [s for s in output.scheduled if s.samples] + list(output.combines)
-        if not sampling:  # every sequence is mid-prefill
-            return ModelRunnerOutput([], SamplerOutput([], []))
+        failed: dict[str, Exception] = {}
+        parts = self._forward_isolated(output.scheduled, failed) if output.scheduled else []
+        for entry in output.combines:
+            try:
+                parts.append(([entry], self.pic_executor.run(entry)))
+            except Exception as exc:  # one request's combine prefill
+                self._record_failure(entry, exc, failed)
+        sampling = [entry for entries, _ in parts for entry in entries]
+        if not sampling:  # every sequence is mid-prefill (or failed)
+            return ModelRunnerOutput([], SamplerOutput([], []), failed)
         seq_ids = [s.seq_id for s in sampling]
-        logits = self.model.compute_logits(torch.cat(hidden))
-        return ModelRunnerOutput(seq_ids, self.sampler(logits, seq_ids, [s.seq.sampling_params for s in sampling]))
+        logits = self.model.compute_logits(torch.cat([hidden for _, hidden in parts]))
+        sampled = self.sampler(logits, seq_ids, [s.seq.sampling_params for s in sampling])
+        for seq_id, exc in sampled.failed.items():
+            logger.error("request %s failed: its sampling state could not be built", seq_id, exc_info=exc)
+        failed.update(sampled.failed)
+        return ModelRunnerOutput([i for i in seq_ids if i not in sampled.failed], sampled, failed)
 
-    def forward(self, scheduled: tuple[ScheduledSequence, ...]) -> torch.Tensor:
-        """Hidden states [n, D] of the last token of each sequence that samples this step."""
+    def _forward_isolated(self, scheduled: tuple[ScheduledSequence, ...], failed: dict[str, Exception]
+                          ) -> list[tuple[list[ScheduledSequence], torch.Tensor]]:
+        """(sampling entries, their hidden states) of the parts of ``scheduled`` whose forward succeeds; the
+        sequences whose forward fails even alone go to ``failed``."""
+        try:
+            hidden, new_states = self.forward(scheduled)
+        except Exception as exc:
+            if len(scheduled) == 1:
+                self._record_failure(scheduled[0], exc, failed)
+                return []
+            logger.warning("forward of %d sequences failed (%r); running each half again to find the cause",
+                           len(scheduled), exc)
+            middle = len(scheduled) // 2
+            return (self._forward_isolated(scheduled[:middle], failed)
+                    + self._forward_isolated(scheduled[middle:], failed))
+        if new_states is not None:  # outside the retry: a failure here is the engine's, not a request's
+            self._store_states(scheduled, new_states)
+        return [([s for s in scheduled if s.samples], hidden)]
+
+    @staticmethod
+    def _record_failure(entry: ScheduledSequence, exc: Exception, failed: dict[str, Exception]) -> None:
+        logger.error("request %s failed in the model forward", entry.seq_id, exc_info=exc)
+        failed[entry.seq_id] = exc
+
+    def forward(self, scheduled: tuple[ScheduledSequence, ...]
+                ) -> tuple[torch.Tensor, list[list[LinearAttentionState]] | None]:
+        """Hidden states [n, D] of the last token of each sequence that samples this step, and the new
+        linear-attention states [L][B] to store (None without linear-attention layers). Writes only KV slots."""
         inputs = self.prepare_inputs(scheduled)
         ctx = AttentionContext(self.attention_backend, inputs.meta, self.kv_storage.layer_caches, self.mla_backend)
+        new_states = None
         if self.kv_storage.linear_states:
             hidden, new_states = self.model.forward_with_states(inputs.input_ids, inputs.positions, ctx,
                                                                 self._load_states(scheduled))
-            self._store_states(scheduled, new_states)
         else:
             hidden = self.model.forward(inputs.input_ids, inputs.positions, ctx)
-        return hidden.index_select(0, inputs.logits_indices)
+        return hidden.index_select(0, inputs.logits_indices), new_states
 
     def _load_states(self, scheduled: tuple[ScheduledSequence, ...]) -> list[list[LinearAttentionState | None]]:
         """[L][B] states to continue from; None where a sequence starts (its slot may hold a previous owner's)."""

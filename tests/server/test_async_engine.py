@@ -116,3 +116,26 @@ def test_shutdown_fails_requests_in_flight_and_refuses_new_ones(qwen3_dir):
     asyncio.run(shut_down_mid_stream())
     assert not engine.stats().alive
     assert not engine.engine.has_unfinished_requests()
+
+
+def test_a_request_failing_inside_a_step_ends_alone_while_concurrent_streams_complete(engine, reference_llm):
+    poisoned = SamplingParams(max_tokens=20, temperature=0.7, seed=1)
+    object.__setattr__(poisoned, "seed", 2 ** 64)  # past validation: its sampler state cannot be built
+    prompts = [[5, 6, 7], [8, 9, 10, 11], [12, 13]]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+
+    async def poisoned_request():
+        with pytest.raises(EngineError, match="Overflow"):
+            await collect(engine, "poisoned", [14, 15, 16], poisoned)
+
+    async def run_all():
+        streams = [collect(engine, f"ok{i}", p, params) for i, p in enumerate(prompts)]
+        results = await asyncio.gather(*streams[:2], poisoned_request(), *streams[2:])
+        return results[:2] + results[3:]
+
+    streams = asyncio.run(run_all())
+    reference = reference_llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for outputs, expected in zip(streams, reference):
+        assert [len(o.outputs[0].token_ids) for o in outputs] == list(range(1, 21))  # every token, in order
+        assert outputs[-1].outputs[0].token_ids == expected.outputs[0].token_ids
+    assert engine.stats().num_running == 0

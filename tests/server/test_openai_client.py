@@ -1,7 +1,10 @@
-"""``serve`` in its own process, driven by the official ``openai`` client: a streamed chat with ``<pic>`` tags."""
+"""``serve`` in its own process, driven by the official ``openai`` client: a streamed chat with ``<pic>`` tags,
+the API key from ``NEBULA_API_KEY`` and the ``--max-request-bytes`` limit."""
 
 from __future__ import annotations
 
+import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -16,6 +19,8 @@ from nebula_engine import SamplingParams
 from tests.server.conftest import MODEL_NAME
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+API_KEY = secrets.token_urlsafe(24)
+MAX_REQUEST_BYTES = 64 * 1024
 MESSAGES = [{"role": "system", "content": "Answer from the documents."},
             {"role": "user", "content": "<pic>Paris is the capital of France.</pic>\n"
                                         "<pic>Rome is the capital of Italy.</pic>\nWhere is Rome?"}]
@@ -34,9 +39,11 @@ def server_url(qwen3_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     command = [sys.executable, "-c", "from nebula_engine.server.commands import serve; serve()",
                "--model", str(qwen3_dir), "--served-model-name", MODEL_NAME, "--port", str(port),
-               "--page-size", "8", "--num-pages", "256", "--max-num-batched-tokens", "64", "--log-level", "warning"]
+               "--page-size", "8", "--num-pages", "256", "--max-num-batched-tokens", "64", "--log-level", "warning",
+               "--max-request-bytes", str(MAX_REQUEST_BYTES)]
     with open(log, "wb") as log_file:
-        process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log_file, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log_file, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "NEBULA_API_KEY": API_KEY})
     try:
         url = f"http://127.0.0.1:{port}"
         _wait_until_healthy(url, process, log)
@@ -65,7 +72,7 @@ def _wait_until_healthy(url: str, process: subprocess.Popen, log: Path, timeout:
 
 
 def test_openai_client_streams_a_chat_with_pic_tags(server_url, reference_llm):
-    client = openai.OpenAI(base_url=f"{server_url}/v1", api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=f"{server_url}/v1", api_key=API_KEY, max_retries=0)
     assert [m.id for m in client.models.list()] == [MODEL_NAME]
     chunks = list(client.chat.completions.create(
         model=MODEL_NAME, messages=MESSAGES, max_tokens=8, temperature=0, stream=True,
@@ -86,8 +93,25 @@ def test_openai_client_streams_a_chat_with_pic_tags(server_url, reference_llm):
 
 
 def test_openai_client_sees_bad_pic_tags_as_a_bad_request(server_url):
-    client = openai.OpenAI(base_url=f"{server_url}/v1", api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=f"{server_url}/v1", api_key=API_KEY, max_retries=0)
     with pytest.raises(openai.BadRequestError, match="unclosed <pic>"):
         client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "<pic>oops"}])
     reply = client.completions.create(model=MODEL_NAME, prompt="Still there?", max_tokens=2)
     assert reply.usage.completion_tokens <= 2 and reply.choices[0].finish_reason in ("stop", "length")
+
+
+def test_the_api_key_comes_from_the_environment_and_guards_only_v1(server_url):
+    wrong = openai.OpenAI(base_url=f"{server_url}/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    response = httpx2.post(f"{server_url}/v1/completions", json={"model": MODEL_NAME, "prompt": "hi"}, timeout=30)
+    assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+    assert httpx2.get(f"{server_url}/health", timeout=30).status_code == 200
+    assert httpx2.get(f"{server_url}/metrics", timeout=30).status_code == 200
+
+
+def test_a_body_over_max_request_bytes_is_a_413(server_url):
+    client = openai.OpenAI(base_url=f"{server_url}/v1", api_key=API_KEY, max_retries=0)
+    with pytest.raises(openai.APIStatusError, match="limit of 65536 bytes") as raised:
+        client.completions.create(model=MODEL_NAME, prompt="word " * MAX_REQUEST_BYTES, max_tokens=1)
+    assert raised.value.status_code == 413

@@ -1,0 +1,114 @@
+"""A request whose own work fails inside an engine step fails alone; the others in the batch complete with exactly
+the tokens they get without it. Failures come from real code paths: a sampler state that cannot be built, a
+batched forward that raises for one request's input (found by re-running halves), a combine prefill that raises."""
+
+from __future__ import annotations
+
+import pytest
+
+from nebula_engine import LLM, SamplingParams
+from tests.model_cases import CASES_BY_NAME
+
+PROMPTS = ["a b c d e f g h", "Once upon a time", "1, 2, 3,"]
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+SETTINGS = dict(num_pages=256, page_size=8, max_num_batched_tokens=128)
+
+
+@pytest.fixture(scope="module")
+def llm(qwen3_dir):
+    return LLM(str(qwen3_dir), **SETTINGS)
+
+
+@pytest.fixture(scope="module")
+def expected(llm):
+    """Each prompt's tokens when nothing fails next to it."""
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def unbuildable_seed() -> SamplingParams:
+    """What ``"seed": 18446744073709551616`` was before #11's bounds: it reached the sampler, whose
+    ``torch.Generator.manual_seed`` overflows. Set past validation, as an older client of the engine could."""
+    params = SamplingParams(max_tokens=10, temperature=0.7, seed=1)
+    object.__setattr__(params, "seed", 2 ** 64)
+    return params
+
+
+def assert_only_the_culprit_failed(llm, outputs, culprit: int, expected, message: str) -> None:
+    failed = outputs[culprit]
+    assert failed.finished and failed.outputs[0].finish_reason == "error" and message in failed.error
+    others = [o for i, o in enumerate(outputs) if i != culprit]
+    assert [o.outputs[0].token_ids for o in others] == expected
+    assert all(o.error is None and o.outputs[0].finish_reason == "length" for o in others)
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests()
+    assert failed.request_id not in engine.scheduler.kv_cache.block_tables  # its pages went back to the pool
+
+
+def test_a_request_whose_sampler_state_cannot_be_built_fails_alone(llm, expected):
+    outputs = llm.generate(PROMPTS[:1] + ["poisoned"] + PROMPTS[1:], [GREEDY, unbuildable_seed(), GREEDY, GREEDY])
+    assert_only_the_culprit_failed(llm, outputs, 1, expected, "Overflow")
+    assert llm.generate(PROMPTS, GREEDY)[0].outputs[0].token_ids == expected[0]  # and the engine serves on
+
+
+POISON = 4242  # a token id the forward refuses, standing for any input one request brings that breaks a batch
+
+
+@pytest.fixture()
+def poisoned_forward(monkeypatch):
+    """Make ``llm``'s model raise on every forward whose batch holds ``POISON``; returns the forward count."""
+    calls = []
+
+    def install(llm: LLM) -> list:
+        model = llm.llm_engine.model_runner.model
+        name = "forward_with_states" if llm.llm_engine.model_runner.kv_storage.linear_states else "forward"
+        real = getattr(model, name)
+
+        def forward(input_ids, *args, **kwargs):
+            calls.append(input_ids.numel())
+            if (input_ids == POISON).any():
+                raise RuntimeError(f"token {POISON} breaks this batch")
+            return real(input_ids, *args, **kwargs)
+
+        monkeypatch.setattr(model, name, forward)
+        return calls
+
+    return install
+
+
+def test_a_batched_forward_failure_is_pinned_on_its_request_by_rerunning_halves(llm, expected, poisoned_forward):
+    assert all(POISON not in tokens for tokens in expected)
+    calls = poisoned_forward(llm)
+    poisoned = {"prompt_token_ids": [11, 12, POISON, 13]}
+    outputs = llm.generate([PROMPTS[0], PROMPTS[1], poisoned, PROMPTS[2]], GREEDY)
+    assert_only_the_culprit_failed(llm, outputs, 2, expected, f"token {POISON} breaks this batch")
+    assert len(calls) > GREEDY.max_tokens  # the failing step ran again on parts of the batch
+
+
+def test_hybrid_model_states_survive_the_rerun_of_a_failed_batch(checkpoint_factory, poisoned_forward):
+    """Linear-attention states are stored only after a forward succeeds, so re-running halves continues from the
+    states the failed batch started with."""
+    llm = LLM(str(checkpoint_factory(CASES_BY_NAME["qwen3_5_linear_full_linear"])), pic_backend=None, **SETTINGS)
+    # prompts of different lengths, so a chunk boundary does not line them up
+    prompts = [{"prompt_token_ids": list(range(20, 20 + n))} for n in (9, 3, 14)]
+    reference = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    assert all(POISON not in tokens for tokens in reference)
+    poisoned_forward(llm)
+    outputs = llm.generate(prompts[:1] + [{"prompt_token_ids": [POISON, 5, 6]}] + prompts[1:], GREEDY)
+    assert_only_the_culprit_failed(llm, outputs, 1, reference, "breaks this batch")
+
+
+def test_a_failing_combine_prefill_fails_only_its_request(llm, expected, monkeypatch):
+    executor = llm.llm_engine.model_runner.pic_executor
+    real_run = executor.run
+
+    def run(entry):
+        if "Broken" in (entry.seq.prompt or ""):
+            raise RuntimeError("combine failed for this request")
+        return real_run(entry)
+
+    monkeypatch.setattr(executor, "run", run)
+    docs = "<pic>Paris is the capital of France.</pic> <pic>Rome is in Italy.</pic>"
+    good_pic = f"Read: {docs} Which city?"
+    [pic_expected] = [o.outputs[0].token_ids for o in llm.generate([good_pic], GREEDY, pic_backend="full")]
+    outputs = llm.generate([PROMPTS[0], f"Broken: {docs} Which?", good_pic, PROMPTS[1]], GREEDY, pic_backend="full")
+    assert_only_the_culprit_failed(llm, outputs, 1, [expected[0], pic_expected, expected[1]], "combine failed")
