@@ -12,6 +12,7 @@ that a stream reports an engine failure as an error event followed by ``[DONE]``
 from __future__ import annotations
 
 import asyncio
+import hmac
 import time
 import uuid
 from typing import AsyncIterator, Callable
@@ -33,13 +34,16 @@ from nebula_engine.server.responses import (ChatCompletionStream, CompletionStre
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}  # path -> metric label
 
 
-def build_app(client: EngineClient, model_name: str) -> FastAPI:
-    """The app; ``app.state.metrics`` is its ``ServerMetrics`` (``register`` more collectors there)."""
+def build_app(client: EngineClient, model_name: str, *, api_key: str | None = None) -> FastAPI:
+    """The app; ``app.state.metrics`` is its ``ServerMetrics`` (``register`` more collectors there). With
+    ``api_key``, every ``/v1/*`` route wants ``Authorization: Bearer <api_key>`` (else an OpenAI-style 401)."""
     app = FastAPI(title="nebula-engine", docs_url=None, redoc_url=None)
     metrics = ServerMetrics(client.stats)
     app.state.metrics = metrics
     server = _Server(client, model_name, metrics)
     _add_error_handlers(app, metrics)
+    if api_key is not None:
+        _require_api_key(app, api_key)
 
     @app.get("/health")
     async def health() -> Response:
@@ -161,6 +165,19 @@ async def _wait_for_disconnect(raw: Request) -> None:
     # the body is already read, so the server's next message is the disconnect (or never comes)
     while (await raw.receive())["type"] != "http.disconnect":
         pass
+
+
+def _require_api_key(app: FastAPI, api_key: str) -> None:
+    expected = f"Bearer {api_key}".encode()
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next):
+        if request.url.path.startswith("/v1/"):
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                return APIError("invalid or missing API key: send 'Authorization: Bearer <key>'", status=401,
+                                code="invalid_api_key").response()
+        return await call_next(request)
 
 
 def _engine_failure(exc: EngineError) -> APIError:
