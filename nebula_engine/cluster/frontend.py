@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Callable
 
@@ -156,7 +155,7 @@ class ClusterFrontend:
     def _submit(self, pending: _Pending) -> None:
         leader = self.leader()
         if leader is None:
-            pending.waiting_since = pending.waiting_since or time.monotonic()
+            pending.waiting_since = pending.waiting_since or self.liveness.clock()
             return  # submitted once a leader is known (check), or failed after failover_timeout_s
         pending.waiting_since = None
         self._send_to(leader, self._attempt_submit(pending))
@@ -248,7 +247,7 @@ class ClusterFrontend:
     def on_not_leader(self, msg: wire.NotLeader) -> None:
         pending = self._pending.get(msg.request_id)
         if pending is not None and not pending.done and msg.attempt == pending.attempt and not pending.started:
-            pending.waiting_since = pending.waiting_since or time.monotonic()  # check() submits it again
+            pending.waiting_since = pending.waiting_since or self.liveness.clock()  # check() submits it again
 
     def on_leader_change(self, leader: str | None, previous: str | None = None) -> None:
         """Requests that have produced nothing yet, or whose output came from the old leader (it may have died
@@ -265,7 +264,7 @@ class ClusterFrontend:
     def check(self) -> None:
         """Called periodically: run again what a dead peer was streaming, submit what waits for a leader, and
         fail what waited too long."""
-        now = time.monotonic()
+        now = self.liveness.clock()
         for pending in list(self._pending.values()):
             if pending.done:
                 continue

