@@ -233,8 +233,10 @@ class Peer:
         @app.get("/cluster")
         async def cluster_state() -> dict:
             """This peer's view of the cluster (for operators and tests)."""
+            engine = self.engine.stats()
             return {"name": self.name, "role": self.me.role, "leader": self.leader_name,
                     "quorum": self.election.has_quorum, "dropped_frames": self.messenger.num_dropped,
+                    "engine": {"running": engine.num_running, "waiting": engine.num_waiting},
                     "router": {"active": self.router.active, "in_flight": len(self.router.in_flight),
                                "planned": self.router.num_planned, "lost": self.router.num_lost,
                                "dead": sorted(self.router.dead)},

@@ -3,14 +3,13 @@ if anything unpickled them, in every framing the peers' listeners might parse, a
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import pickle
 import socket
 import struct
 import zlib
 from pathlib import Path
-
-import psutil
 
 
 class _TouchMarker:
@@ -70,14 +69,35 @@ def payloads(path: Path, host: str) -> list[bytes]:
 
 
 def listening_sockets(pid: int) -> list[tuple[str, int]]:
-    """(address, port) of every TCP socket ``pid`` listens on and every UDP socket it has bound."""
-    found = []
-    for connection in psutil.Process(pid).net_connections(kind="inet"):
-        if connection.type == socket.SOCK_STREAM and connection.status != psutil.CONN_LISTEN:
+    """(address, port) of every TCP socket ``pid`` listens on and every UDP socket it has bound, read from
+    ``/proc/PID/net`` (the process's own network namespace) and matched to its file descriptors by inode."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
             continue
-        if connection.laddr:
-            found.append((connection.laddr.ip, connection.laddr.port))
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    found = []
+    for table in ("tcp", "tcp6", "udp", "udp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if inode in inodes and (state == _TCP_LISTEN or table.startswith("udp")):
+                found.append(_address(local))
     return found
+
+
+_TCP_LISTEN = "0A"
+
+
+def _address(hex_address: str) -> tuple[str, int]:
+    """``/proc/net/tcp``'s "0100007F:1F90" (little-endian words) -> ("127.0.0.1", 8080)."""
+    host, port = hex_address.split(":")
+    raw = bytes.fromhex(host)
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    return str(ipaddress.ip_address(words)), int(port, 16)
 
 
 def pid_alive(pid: int) -> bool:
