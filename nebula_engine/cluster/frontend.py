@@ -7,8 +7,9 @@ outputs of the current attempt are passed on, and only the front end starts a ne
 Every request ends, with its output or an error:
 - Without a quorum (this peer is cut off from most of the cluster) a new request fails at once (503). With a
   quorum but no leader yet (an election is on) it waits for one.
-- A request runs again (a new attempt) when the leader changes before it produced anything, when the peer
-  streaming it (the sender of its latest output) falls silent, or when a peer reports it lost (a resumable
+- A request runs again (a new attempt) when the leader changes before it produced anything, when a peer
+  carrying it falls silent (the sender of its latest output, and the decode peer that sender is handing it
+  to, until that one sends an output itself), or when a peer reports it lost (a resumable
   ``Failed``: its prefill peer died, a hand-off failed). A request that already streamed tokens continues
   rather than restarts: the new attempt's prompt is the original plus the tokens streamed so far, its
   ``max_tokens`` is reduced by as many, and its outputs are appended to them, so a client never sees a
@@ -59,6 +60,7 @@ class _Pending:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     attempt: int = 0
     server: str | None = None  # the peer that sent the latest output of the current attempt
+    handoff_to: str = ""  # the decode peer ``server`` is handing it to: its death loses the request too
     earlier: Streamed = Streamed()  # what earlier attempts streamed (the current attempt continues it)
     current: Streamed = Streamed()  # what the current attempt streamed
     cached: list[int] | None = None  # prefix, PIC, recomputed counts of the first attempt that reported them
@@ -179,7 +181,7 @@ class ClusterFrontend:
             return
         kept = self._complete_characters(pending.current)
         pending.earlier += kept
-        pending.current, pending.server = Streamed(), None
+        pending.current, pending.server, pending.handoff_to = Streamed(), None, ""
         pending.attempt += 1
         self.num_resubmitted += 1
         logger.info("%s: running %s again as attempt %d after %d streamed tokens: %s", self.name,
@@ -219,7 +221,7 @@ class ClusterFrontend:
             else:
                 self._fail(pending, (ValueError if msg.client_error else EngineError)(msg.message))
             return
-        pending.server = msg.sender
+        pending.server, pending.handoff_to = msg.sender, msg.handoff_to
         pending.current = Streamed(tuple(msg.token_ids), tuple(msg.logprobs), msg.text)
         if pending.cached is None:
             pending.cached = list(msg.cached)
@@ -268,9 +270,10 @@ class ClusterFrontend:
         for pending in list(self._pending.values()):
             if pending.done:
                 continue
-            if pending.server is not None and not self.liveness.alive(pending.server):
-                self._run_again(pending, f"peer {pending.server} stopped answering",
-                                self.liveness.last_heard(pending.server))
+            carriers = [peer for peer in (pending.server, pending.handoff_to) if peer]
+            dead = next((peer for peer in carriers if not self.liveness.alive(peer)), None)
+            if dead is not None:
+                self._run_again(pending, f"peer {dead} stopped answering", self.liveness.last_heard(dead))
             elif pending.waiting_since is not None:
                 if now - pending.waiting_since > self.failover_timeout_s:
                     self._fail(pending, EngineDeadError(

@@ -161,6 +161,7 @@ class Output(Msg):
     finish_reason: str | None
     stop_reason: str | int | None
     cached: list[int]  # prefix, PIC, recomputed token counts
+    handoff_to: str = ""  # the decode peer this request moves to next: it carries the request from now on
 
 
 class Failed(Msg):

@@ -69,14 +69,15 @@ def engine_request_id(request_id: str, attempt: int) -> str:
     return f"{request_id}#{attempt}"
 
 
-def output_to_wire(sender: str, request_id: str, output: RequestOutput, attempt: int) -> wire.Output:
+def output_to_wire(sender: str, request_id: str, output: RequestOutput, attempt: int,
+                   handoff_to: str = "") -> wire.Output:
     completion = output.outputs[0]
     return wire.Output(sender=sender, request_id=request_id, attempt=attempt, text=completion.text,
                        token_ids=list(completion.token_ids), logprobs=list(completion.logprobs),
                        finished=output.finished, finish_reason=completion.finish_reason,
                        stop_reason=completion.stop_reason,
                        cached=[output.num_prefix_cached_tokens, output.num_pic_cached_tokens,
-                               output.num_recomputed_tokens])
+                               output.num_recomputed_tokens], handoff_to=handoff_to)
 
 
 def _state_bytes(state: dict) -> bytes:
@@ -208,7 +209,8 @@ class WorkerService:
             return
         first.finished = False
         first.outputs[0].finish_reason = None
-        self.send(msg.frontend, output_to_wire(self.name, msg.request_id, first, msg.attempt))  # first token (TTFT)
+        self.send(msg.frontend, output_to_wire(self.name, msg.request_id, first, msg.attempt,  # TTFT
+                                               handoff_to=msg.decode_peer))
         pages = await self.engine.call(lambda e: e.held_block_table(engine_id))
         handoff_done = asyncio.get_running_loop().create_future()
         self._handoffs[engine_id] = handoff_done

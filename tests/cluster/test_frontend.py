@@ -121,6 +121,25 @@ def test_a_request_whose_decode_peer_dies_continues_from_its_streamed_tokens(eng
     asyncio.run(scenario())
 
 
+def test_a_request_is_run_again_when_the_decode_peer_it_was_handed_to_dies_before_its_first_output(engine):
+    prompt = engine.tokenizer.encode("Five six seven")
+
+    async def scenario():
+        harness = Harness(engine)
+        client = harness.start(prompt)
+        _, first = await harness.next_submit()
+        first_token = wire.Output(sender="prefill-0", request_id="r", attempt=0, text="x", token_ids=[87],
+                                  logprobs=[0.0], finished=False, finish_reason=None, stop_reason=None,
+                                  cached=[0, 0, 0], handoff_to="decode-0")
+        harness.front.on_output(first_token)
+        harness.kill("decode-0")  # the prefill peer lives on: it released the request to decode-0
+        _, again = await harness.next_submit()
+        assert again.attempt == 1 and again.token_ids == prompt + [87]
+        client.cancel()
+
+    asyncio.run(scenario())
+
+
 def test_late_outputs_of_a_lost_attempt_are_ignored(engine):
     prompt = engine.tokenizer.encode("One two three")
 
