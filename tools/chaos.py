@@ -4,6 +4,7 @@ request ended.
 For each scenario a fresh cluster (2 prefill + 1 decode peers, 3 Raft members) serves the RAGPulse slice bundled in
 the package (or ``--data``) at Poisson arrivals; ``--kill-at`` seconds in, the scenario's victims are SIGKILLed:
 
+- ``none``: nobody (the baseline: latencies on this machine without a failure);
 - ``prefill``: a prefill peer that is not the leader;
 - ``decode``: the decode peer;
 - ``leader``: the leader (whichever peer it is);
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -39,7 +41,7 @@ from nebula_engine.bench.replay import PromptBuilder, poisson_offsets, prompt_sc
 from nebula_engine.cluster.launcher import LocalCluster, local_spec  # noqa: E402
 from nebula_engine.workloads.registry import BUNDLED_DIR, load_workload  # noqa: E402
 
-SCENARIOS = ("prefill", "decode", "leader", "two-of-three")
+SCENARIOS = ("none", "prefill", "decode", "leader", "two-of-three")
 ENGINE = {"page_size": 16, "num_pages": 2048}
 
 
@@ -57,6 +59,8 @@ class Outcome:
 
 def victims(scenario: str, cluster: LocalCluster) -> list[str]:
     leader = cluster.leader()
+    if scenario == "none":
+        return []
     if scenario == "prefill":
         return [next(p for p in ("prefill-0", "prefill-1") if p != leader)]
     if scenario == "decode":
@@ -138,6 +142,7 @@ def summarize(scenario: str, doomed: list[str], killed_at: float, outcomes: list
             "completed": len(completed), "failed_with_error": len(failed), "hung": len(hung), "lost": len(lost),
             "extra_tokens": sum(max(0, o.completion_tokens - max_tokens) for o in finished),
             "missing_tokens": sum(max(0, max_tokens - o.completion_tokens) for o in finished),
+            "p50_latency_s": round(float(np.median([o.latency_s for o in completed])) if completed else 0.0, 1),
             "max_latency_s": round(max((o.latency_s for o in outcomes if not o.hung), default=0.0), 1),
             "errors": sorted({o.error for o in failed})[:4],
             "hung_ids": [o.response_id for o in hung + lost]}
@@ -159,7 +164,7 @@ def request_bodies(model: str, options) -> list[dict]:
 
 def format_table(rows: list[dict]) -> str:
     columns = ("scenario", "sent", "completed", "failed_with_error", "hung", "lost", "extra_tokens",
-               "missing_tokens", "max_latency_s")
+               "missing_tokens", "p50_latency_s", "max_latency_s")
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(str(row[c]) for c in columns) + " |" for row in rows]
     return "\n".join(lines)

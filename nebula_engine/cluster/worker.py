@@ -220,27 +220,26 @@ class WorkerService:
             first_logprob=completion.logprobs[0], params=msg.params, pages=pages,
             cached=[first.num_prefix_cached_tokens, first.num_pic_cached_tokens, first.num_recomputed_tokens]))
         try:
-            if await self._handed_off(handoff_done, msg.decode_peer):
-                return
+            outcome = await self._unless_dead(handoff_done, msg.decode_peer, HANDOFF_TIMEOUT_S)
         finally:
             self._handoffs.pop(engine_id, None)
             await self.engine.call(lambda e: e.release_held(engine_id))
-        self._fail(msg, f"decode peer {msg.decode_peer} did not take the hand-off", client_error=False,
-                   resumable=True)
+        if outcome != "done":
+            logger.warning("decode peer %s did not take the hand-off of %s (%s)", msg.decode_peer, msg.request_id,
+                           outcome)
+            self._fail(msg, f"decode peer {msg.decode_peer} did not take the hand-off ({outcome})",
+                       client_error=False, resumable=True)
 
-    async def _handed_off(self, handoff_done: asyncio.Future, decode_peer: str) -> bool:
-        """True once ``decode_peer`` confirms it read the pages; False when it dies or times out first."""
-        decode_died = asyncio.ensure_future(self.liveness.wait_dead(decode_peer))
+    async def _unless_dead(self, reply: asyncio.Future, peer: str, timeout: float) -> str:
+        """Wait for ``reply`` from ``peer``: "done", or "dead" once ``peer`` counts as dead, or "timed out"."""
+        peer_died = asyncio.ensure_future(self.liveness.wait_dead(peer))
         try:
-            await asyncio.wait((handoff_done, decode_died), timeout=HANDOFF_TIMEOUT_S,
-                               return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait((reply, peer_died), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            decode_died.cancel()
-        if handoff_done.done():
-            return True
-        logger.warning("decode peer %s %s the hand-off", decode_peer,
-                       "died before it confirmed" if decode_died.done() else "did not confirm in time")
-        return False
+            peer_died.cancel()
+        if reply.done():
+            return "done"
+        return "dead" if peer_died.done() else "timed out"
 
     def on_handoff_done(self, msg: wire.HandoffDone) -> None:
         future = self._handoffs.get(msg.request_id)
@@ -259,13 +258,14 @@ class WorkerService:
         self.send(source.peer, wire.PinSegment(sender=self.name, tag=tag, key=source.key, num_tokens=len(ids),
                                                wait_s=PIN_TIMEOUT_S / 2))
         try:
-            reply = await asyncio.wait_for(reply_future, PIN_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            self.transfer_failures += 1
-            logger.warning("no pin reply from %s for %s", source.peer, source.key)
-            return
+            outcome = await self._unless_dead(reply_future, source.peer, PIN_TIMEOUT_S)
         finally:
             self._pin_replies.pop(tag, None)
+        if outcome != "done":
+            self.transfer_failures += 1
+            logger.warning("no pin reply from %s for %s (%s): computing it here", source.peer, source.key, outcome)
+            return
+        reply = reply_future.result()
         if not reply.ok:
             return
         try:
