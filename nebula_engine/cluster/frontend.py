@@ -25,6 +25,8 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Callable
 
+import msgspec
+
 from nebula_engine.cluster import wire
 from nebula_engine.cluster.liveness import DEFAULT_FAILOVER_TIMEOUT_S, Liveness
 from nebula_engine.cluster.worker import params_to_wire
@@ -166,12 +168,11 @@ class ClusterFrontend:
         """The current attempt: the original request, continued after what earlier attempts streamed."""
         original, streamed = pending.submit, pending.earlier.token_ids
         if not streamed:
-            return msgspec_replace(original, attempt=pending.attempt)
+            return msgspec.structs.replace(original, attempt=pending.attempt)
         params = replace(pending.params, max_tokens=pending.params.max_tokens - len(streamed))
-        return msgspec_replace(original, attempt=pending.attempt, token_ids=original.token_ids + list(streamed),
-                               segments=original.segments + [wire.Segment(SegmentKind.REGULAR.value,
-                                                                          len(original.token_ids), len(streamed))],
-                               params=params_to_wire(params))
+        seam = wire.Segment(SegmentKind.REGULAR.value, len(original.token_ids), len(streamed))
+        return msgspec.structs.replace(original, attempt=pending.attempt, token_ids=original.token_ids + list(streamed),
+                                       segments=original.segments + [seam], params=params_to_wire(params))
 
     def _run_again(self, pending: _Pending, reason: str, since: float | None = None) -> None:
         """A new attempt that continues what the client has been given."""
@@ -288,9 +289,3 @@ class ClusterFrontend:
             self.deliver_local(message)
         else:
             self.send(peer, message)
-
-
-def msgspec_replace(struct, **changes):
-    import msgspec
-
-    return msgspec.structs.replace(struct, **changes)

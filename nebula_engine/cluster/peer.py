@@ -29,8 +29,7 @@ from nebula_engine.cluster.election import ETCD_PASSWORD_ENV, EtcdAccess, EtcdEl
 from nebula_engine.cluster.frontend import ClusterFrontend
 from nebula_engine.cluster.liveness import HEARTBEAT_S, Liveness
 from nebula_engine.cluster.router import RouterService
-from nebula_engine.cluster.spec import (API_KEY_ENV, ClusterSpec, PeerSettings, PeerSpec,  # noqa: F401 (re-export)
-                                        check_secured)
+from nebula_engine.cluster.spec import API_KEY_ENV, ClusterSpec, PeerSettings, check_secured
 from nebula_engine.cluster.transfer import KVTransferAgent, TransferError, confine_ucx_to
 from nebula_engine.cluster.transport import Messenger
 from nebula_engine.cluster.worker import WorkerService, backend_arg

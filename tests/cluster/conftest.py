@@ -80,7 +80,8 @@ def _write_certificates(directory: Path) -> dict[str, str]:
         subject_name = x509.Name([subject])
         builder = (x509.CertificateBuilder().subject_name(subject_name).issuer_name(issuer_name or subject_name)
                    .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                   .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+                   .not_valid_before(now - datetime.timedelta(minutes=5))
+                   .not_valid_after(now + datetime.timedelta(days=1))
                    .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
         if not ca:
             # etcd's gateway dials etcd's own gRPC port with the server certificate, so it also needs client use

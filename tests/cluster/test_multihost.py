@@ -38,7 +38,8 @@ PORTS = {"ctrl_port": 7001, "raft_port": 7002, "http_port": 8000}  # every peer 
 CLIENT_SCRIPT = """
 import json, sys, urllib.error, urllib.request
 url, body, timeout = sys.argv[1], sys.argv[2], float(sys.argv[3])
-request = urllib.request.Request(url, data=body.encode() if body else None, headers={"Content-Type": "application/json"})
+headers = {"Content-Type": "application/json"}
+request = urllib.request.Request(url, data=body.encode() if body else None, headers=headers)
 try:
     with urllib.request.urlopen(request, timeout=timeout) as response:
         print(json.dumps({"status": response.status, "body": json.loads(response.read())}))
