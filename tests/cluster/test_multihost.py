@@ -58,6 +58,7 @@ class NetworkLab:
         self.namespaces: list[str] = []
         self.processes: list[subprocess.Popen] = []
         self.bridge = self._add_namespace("br")
+        subprocess.run(["ip", "netns", "exec", self.bridge, "true"], check=True, capture_output=True, text=True)
         self._ip("-n", self.bridge, "link", "add", "br0", "type", "bridge")
         self._ip("-n", self.bridge, "link", "set", "br0", "up")
 
@@ -102,7 +103,8 @@ def lab():
         network = NetworkLab()
     except subprocess.CalledProcessError as error:
         subprocess.run(["ip", "netns", "del", f"nbt{os.getpid()}-br"], capture_output=True)
-        pytest.skip(f"network namespaces are not allowed here (needs root): {error.stderr.strip()}")
+        pytest.skip(f"network namespaces are not allowed here (`{' '.join(error.cmd)}` needs root and "
+                    f"CAP_SYS_ADMIN): {error.stderr.strip()}")
     try:
         yield network
     finally:
