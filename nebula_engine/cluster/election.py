@@ -3,14 +3,19 @@
 Two backends behind one interface, selected by name (``ELECTIONS``):
 
 - ``raft``: embedded Raft (pysyncobj) among a fixed set of peers; needs no external service, so a
-  single-machine deployment runs with nothing else. A majority of peers must be up to elect.
+  single-machine deployment runs with nothing else. A majority of peers must be up to elect. It listens
+  on its own address only, and with a ``password`` every frame is authenticated and encrypted (Fernet)
+  before pysyncobj unpickles it.
 - ``etcd``: a lease plus create-if-absent key in etcd (through its HTTP gateway, etcd3gw), for
-  clusters that span machines. Any number of peers; etcd keeps the quorum.
+  clusters that span machines. Any number of peers; etcd keeps the quorum. ``EtcdAccess`` holds the
+  usual TLS files and etcd user.
 
-Invariants: ``leader`` is a peer id (never an address) or None while unknown; every change of it,
-including to None on ``stop()``, is reported once to ``on_change`` from a background thread, so the
-callback must be quick and must not call ``stop()``. ``stop()`` joins every thread ``start()`` made.
-Raft keeps ticking only while the thread that called ``start()`` is alive (pysyncobj's rule).
+Invariants: ``leader`` is a peer id (never an address) or None while unknown, including while this
+peer cannot reach a quorum (Raft: a majority of peers; etcd: etcd itself), so a peer cut off from the
+cluster never names a leader it cannot know is alive; ``has_quorum`` says which. Every change of
+``leader``, including to None on ``stop()``, is reported once to ``on_change`` from a background thread,
+so the callback must be quick and must not call ``stop()``. ``stop()`` joins every thread ``start()``
+made. Raft keeps ticking only while the thread that called ``start()`` is alive (pysyncobj's rule).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +47,7 @@ class LeaderElection(ABC):
         self.self_id = self_id
         self.on_change: LeaderCallback | None = None
         self._leader: str | None = None
+        self._quorum = False
         self._changed = threading.Condition()
 
     @abstractmethod
@@ -57,6 +64,12 @@ class LeaderElection(ABC):
             return self._leader
 
     @property
+    def has_quorum(self) -> bool:
+        """This peer reaches enough of the cluster (or etcd) for an election to hold."""
+        with self._changed:
+            return self._quorum
+
+    @property
     def is_leader(self) -> bool:
         return self.leader == self.self_id
 
@@ -66,8 +79,9 @@ class LeaderElection(ABC):
                 raise TimeoutError(f"peer {self.self_id!r}: no leader known after {timeout} s")
             return self._leader
 
-    def _publish(self, leader: str | None) -> None:
+    def _publish(self, leader: str | None, quorum: bool) -> None:
         with self._changed:
+            self._quorum = quorum
             if leader == self._leader:
                 return
             self._leader = leader
@@ -89,10 +103,13 @@ def _check_address(address: str) -> str:
 
 class RaftElection(LeaderElection):
     """Raft among fixed peers. ``peer_addresses`` maps peer id -> Raft "host:port"; it may include
-    this peer (then with ``self_address``)."""
+    this peer (then with ``self_address``). Peers of one cluster share ``password`` (None: unauthenticated,
+    which is only safe where nobody else can reach the Raft ports)."""
 
-    def __init__(self, self_id: str, self_address: str, peer_addresses: Mapping[str, str]):
+    def __init__(self, self_id: str, self_address: str, peer_addresses: Mapping[str, str],
+                 password: str | None = None):
         super().__init__(self_id)
+        self._password = password
         self.self_address = _check_address(self_address)
         if peer_addresses.get(self_id, self_address) != self_address:
             raise ValueError(f"peer {self_id!r} listed at {peer_addresses[self_id]!r}, "
@@ -109,7 +126,8 @@ class RaftElection(LeaderElection):
 
         if self._sync is not None:
             raise RuntimeError(f"raft election of {self.self_id!r} already started")
-        conf = SyncObjConf(**RAFT_TIMEOUTS, maxBindRetries=1)
+        conf = SyncObjConf(**RAFT_TIMEOUTS, maxBindRetries=1, bindAddress=self.self_address,
+                           password=self._password)
         sync = SyncObj(self.self_address, self._other_addresses, conf=conf)
         try:
             sync.waitBinded()
@@ -124,12 +142,53 @@ class RaftElection(LeaderElection):
         if sync is None:
             return
         sync.destroy_synchronous()
-        self._publish(None)
+        self._publish(None, False)
 
     def _on_tick(self) -> None:  # on pysyncobj's tick thread, every ~50 ms
         sync = self._sync
-        node = sync._getLeader() if sync is not None else None
-        self._publish(None if node is None else self._id_by_address.get(node.address))
+        # a follower that lost every partner never becomes a candidate, so pysyncobj keeps naming the old leader
+        quorum = sync is not None and sync.hasQuorum
+        node = sync._getLeader() if quorum else None
+        self._publish(None if node is None else self._id_by_address.get(node.address), quorum)
+
+
+ETCD_PASSWORD_ENV = "NEBULA_ETCD_PASSWORD"
+
+
+@dataclass(frozen=True)
+class EtcdAccess:
+    """How a peer reaches etcd beyond host:port: TLS (a CA to verify etcd, a client certificate + key) and an
+    etcd user. Paths are checked when built; the password never appears in a repr."""
+
+    ca_cert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("an etcd client certificate needs both --etcd-cert and --etcd-key")
+        if self.password is not None and not self.user:
+            raise ValueError(f"an etcd password (${ETCD_PASSWORD_ENV}) needs --etcd-user")
+        for name, path in (("--etcd-ca-cert", self.ca_cert), ("--etcd-cert", self.cert), ("--etcd-key", self.key)):
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"{name}: no file at {path}")
+
+    @property
+    def protocol(self) -> str:
+        return "https" if self.ca_cert or self.cert else "http"
+
+    def session(self):
+        import requests
+
+        session = requests.Session()
+        if self.ca_cert:
+            session.verify = self.ca_cert
+            session.trust_env = False  # else $REQUESTS_CA_BUNDLE silently replaces our CA (requests issue #3829)
+        if self.cert:
+            session.cert = (self.cert, self.key)
+        return session
 
 
 class EtcdElection(LeaderElection):
@@ -138,13 +197,17 @@ class EtcdElection(LeaderElection):
     Every ``ttl / 3`` seconds a peer refreshes its lease, tries to create the key (succeeds only
     when it is absent: the old leader's lease expired or was revoked) and reads who holds it.
     A dead leader's key disappears after at most ``ttl``; ``stop()`` revokes the lease at once.
+    With an etcd user, the peer signs in first and again after any failure (its token may have expired).
     """
 
-    def __init__(self, self_id: str, host: str, port: int, ttl: float = 2.0, key: str = "/nebula/leader"):
+    def __init__(self, self_id: str, host: str, port: int, ttl: float = 2.0, key: str = "/nebula/leader",
+                 access: EtcdAccess = EtcdAccess()):
         super().__init__(self_id)
         if ttl <= 0:
             raise ValueError(f"lease ttl must be positive, got {ttl}")
         self.host, self.port, self.key = host, port, key
+        self.access = access
+        self._signed_in = False
         self._lease_ttl_s = max(1, math.ceil(ttl))  # etcd leases have whole-second TTLs
         self._period_s = ttl / 3
         self._client = None
@@ -157,7 +220,8 @@ class EtcdElection(LeaderElection):
 
         if self._thread is not None:
             raise RuntimeError(f"etcd election of {self.self_id!r} already started")
-        self._client = Etcd3Client(self.host, self.port, api_path="/v3/", timeout=max(0.5, self._period_s))
+        self._client = Etcd3Client(self.host, self.port, protocol=self.access.protocol, api_path="/v3/",
+                                   timeout=max(0.5, self._period_s), session=self.access.session())
         self._stopping.clear()
         self._thread = threading.Thread(target=self._run, name=f"etcd-election-{self.self_id}", daemon=True)
         self._thread.start()
@@ -175,19 +239,30 @@ class EtcdElection(LeaderElection):
                 logger.warning("etcd: could not revoke lease of %s: %s", self.self_id, error)
             self._lease = None
         self._client.session.close()
-        self._publish(None)
+        self._publish(None, False)
 
     def _run(self) -> None:
         while not self._stopping.is_set():
             try:
-                self._publish(self._campaign_once())
+                self._publish(self._campaign_once(), True)
             except _etcd_errors() as error:
                 logger.warning("etcd at %s:%s unreachable: %s", self.host, self.port, error)
                 self._lease = None  # cannot prove it is alive: campaign afresh once etcd answers
-                self._publish(None)
+                self._signed_in = False
+                self._publish(None, False)
             self._stopping.wait(self._period_s)
 
+    def _sign_in(self) -> None:
+        """etcd's gateway: POST auth/authenticate gives a token that goes in every later request's header."""
+        self._client.session.headers.pop("Authorization", None)
+        reply = self._client.post(self._client.get_url("/auth/authenticate"),
+                                  json={"name": self.access.user, "password": self.access.password or ""})
+        self._client.session.headers["Authorization"] = reply["token"]
+        self._signed_in = True
+
     def _campaign_once(self) -> str | None:
+        if self.access.user and not self._signed_in:
+            self._sign_in()
         if not self._lease_alive():
             self._lease = self._client.lease(self._lease_ttl_s)
         if self._client.create(self.key, self.self_id, lease=self._lease):
@@ -210,7 +285,7 @@ def _etcd_errors() -> tuple[type[Exception], ...]:
     from etcd3gw.exceptions import Etcd3Exception
     from requests import RequestException
 
-    return Etcd3Exception, RequestException, ValueError  # ValueError: a reply that is not JSON
+    return Etcd3Exception, RequestException, ValueError, KeyError  # a reply that is not JSON / has no token
 
 
 @dataclass(frozen=True)
@@ -220,7 +295,9 @@ class ElectionSpec:
     self_id: str
     backend: str = "raft"
     raft_peers: Mapping[str, str] = field(default_factory=dict)  # peer id -> Raft "host:port", self included
+    raft_password: str | None = field(default=None, repr=False)
     etcd_endpoint: str = "127.0.0.1:2379"
+    etcd_access: EtcdAccess = EtcdAccess()
     ttl_s: float = 2.0  # etcd lease
     key: str = "/nebula/leader"  # etcd key
 
@@ -228,12 +305,12 @@ class ElectionSpec:
 def _make_raft(spec: ElectionSpec) -> LeaderElection:
     if spec.self_id not in spec.raft_peers:
         raise ValueError(f"raft peers {sorted(spec.raft_peers)} must include this peer {spec.self_id!r}")
-    return RaftElection(spec.self_id, spec.raft_peers[spec.self_id], spec.raft_peers)
+    return RaftElection(spec.self_id, spec.raft_peers[spec.self_id], spec.raft_peers, spec.raft_password)
 
 
 def _make_etcd(spec: ElectionSpec) -> LeaderElection:
     host, _, port = _check_address(spec.etcd_endpoint).rpartition(":")
-    return EtcdElection(spec.self_id, host, int(port), ttl=spec.ttl_s, key=spec.key)
+    return EtcdElection(spec.self_id, host, int(port), ttl=spec.ttl_s, key=spec.key, access=spec.etcd_access)
 
 
 ELECTIONS: dict[str, Callable[[ElectionSpec], LeaderElection]] = {"raft": _make_raft, "etcd": _make_etcd}

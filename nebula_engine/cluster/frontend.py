@@ -2,21 +2,37 @@
 
 A request is validated here (with the local engine's tokenizer and limits), submitted to the current leader's
 router, and its outputs arrive from whichever peer serves it. Each submission has an attempt number; only
-outputs of the current attempt are passed on. If the leader changes before a request produced anything, it is
-submitted again to the new leader (a higher attempt), so no client request fails because a leader died.
+outputs of the current attempt are passed on, and only the front end starts a new one.
+
+Every request ends, with its output or an error:
+- Without a quorum (this peer is cut off from most of the cluster) a new request fails at once (503). With a
+  quorum but no leader yet (an election is on) it waits for one.
+- A request runs again (a new attempt) when the leader changes before it produced anything, when a peer
+  carrying it falls silent (the sender of its latest output, and the decode peer that sender is handing it
+  to, until that one sends an output itself), or when a peer reports it lost (a resumable
+  ``Failed``: its prefill peer died, a hand-off failed). A request that already streamed tokens continues
+  rather than restarts: the new attempt's prompt is the original plus the tokens streamed so far, its
+  ``max_tokens`` is reduced by as many, and its outputs are appended to them, so a client never sees a
+  piece twice or misses one (a stop string that spans the seam is found here).
+- A request that waits for a leader longer than ``failover_timeout_s`` (from the last sign of life of the peer
+  it lost), or that is lost more times than the cluster has peers, fails with ``EngineDeadError`` (503).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Callable
 
+import msgspec
+
 from nebula_engine.cluster import wire
+from nebula_engine.cluster.liveness import DEFAULT_FAILOVER_TIMEOUT_S, Liveness
 from nebula_engine.cluster.worker import params_to_wire
-from nebula_engine.engine.async_engine import AsyncLLMEngine, EngineError, EngineStats
+from nebula_engine.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineError, EngineStats
 from nebula_engine.engine.llm_engine import DEFAULT_BACKEND
+from nebula_engine.engine.output_processor import find_stop_string
 from nebula_engine.engine.outputs import CompletionOutput, RequestOutput
 from nebula_engine.engine.sampling_params import SamplingParams
 from nebula_engine.engine.tokenizer import Tokenizer
@@ -24,26 +40,56 @@ from nebula_engine.pic.segments import SegmentedPrompt, SegmentKind
 
 logger = logging.getLogger(__name__)
 
+_MAX_CHAR_TOKENS = 4  # a UTF-8 character spans at most 4 bytes, so at most 4 byte-level tokens
+
+
+@dataclass(frozen=True)
+class Streamed:
+    """Output of a request so far: its tokens, their logprobs, the text a client has been given for them."""
+
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[float, ...] = ()
+    text: str = ""
+
+    def __add__(self, other: Streamed) -> Streamed:
+        return Streamed(self.token_ids + other.token_ids, self.logprobs + other.logprobs, self.text + other.text)
+
 
 @dataclass
 class _Pending:
-    submit: wire.Submit
+    submit: wire.Submit  # as the client asked (attempt 0)
+    params: SamplingParams
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     attempt: int = 0
-    started: bool = False  # an output of the current attempt arrived
-    server: str | None = None  # the peer that sent the latest output
+    server: str | None = None  # the peer that sent the latest output of the current attempt
+    handoff_to: str = ""  # the decode peer ``server`` is handing it to: its death loses the request too
+    earlier: Streamed = Streamed()  # what earlier attempts streamed (the current attempt continues it)
+    current: Streamed = Streamed()  # what the current attempt streamed
+    cached: list[int] | None = None  # prefix, PIC, recomputed counts of the first attempt that reported them
+    waiting_since: float | None = None  # when it started needing a leader to (re)submit to; None: submitted
+    losses: int = 0
+    done: bool = False
+
+    @property
+    def started(self) -> bool:
+        return self.server is not None
 
 
 class ClusterFrontend:
     def __init__(self, name: str, engine: AsyncLLMEngine, send: Callable[[str, wire.Msg], None],
-                 leader: Callable[[], str | None], deliver_local: Callable[[wire.Msg], None],
-                 prefill_peers: list[str]):
+                 leader: Callable[[], str | None], has_quorum: Callable[[], bool],
+                 deliver_local: Callable[[wire.Msg], None], prefill_peers: list[str], liveness: Liveness,
+                 failover_timeout_s: float = DEFAULT_FAILOVER_TIMEOUT_S, max_losses: int = 8):
         self.name = name
         self.prefill_peers = prefill_peers
         self.engine = engine
         self.send = send
         self.leader = leader
+        self.has_quorum = has_quorum
         self.deliver_local = deliver_local
+        self.liveness = liveness
+        self.failover_timeout_s = failover_timeout_s
+        self.max_losses = max_losses
         self._pending: dict[str, _Pending] = {}
         self.num_resubmitted = 0
 
@@ -57,11 +103,32 @@ class ClusterFrontend:
 
     def stats(self) -> EngineStats:
         local = self.engine.stats()
-        return EngineStats(local.num_waiting, local.num_running, alive=local.alive and self.leader() is not None)
+        serving = self.leader() is not None or self.has_quorum()
+        return EngineStats(local.num_waiting, local.num_running, alive=local.alive and serving)
 
     async def generate(self, request_id: str, prompt, params: SamplingParams,
                        pic_backend: str | None | object = DEFAULT_BACKEND,
                        route: str | None = None) -> AsyncIterator[RequestOutput]:
+        submit = self._validated_submit(request_id, prompt, params, pic_backend, route)
+        if self.leader() is None and not self.has_quorum():
+            raise EngineDeadError(f"peer {self.name} cannot reach a majority of the cluster (no leader): "
+                                  "send the request to another peer")
+        pending = _Pending(submit, params)
+        self._pending[request_id] = pending
+        self._submit(pending)
+        try:
+            while True:
+                item = await pending.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            self._forget(request_id)
+
+    def _validated_submit(self, request_id: str, prompt, params: SamplingParams, pic_backend,
+                          route: str | None) -> wire.Submit:
         engine = self.engine.engine
         if route is not None and route not in self.prefill_peers:
             raise ValueError(f"prefill_peer {route!r} is not a prefill peer of this cluster: {self.prefill_peers}")
@@ -77,74 +144,148 @@ class ClusterFrontend:
         spec = "" if pic_backend is DEFAULT_BACKEND else pic_backend
         if spec == "" and engine.pic_backend is None:
             spec = None
-        submit = wire.Submit(sender=self.name, request_id=request_id, attempt=0, token_ids=token_ids,
-                             segments=segments, params=params_to_wire(params), pic_backend=spec, route=route or "")
-        pending = _Pending(submit)
-        self._pending[request_id] = pending
-        self._submit(pending)
-        done = False
-        try:
-            while not done:
-                item = await pending.queue.get()
-                if isinstance(item, wire.Failed):
-                    done = True
-                    raise (ValueError if item.client_error else EngineError)(item.message)
-                done = item.finished
-                yield _to_output(item, token_ids)
-        finally:
-            self._pending.pop(request_id, None)
-            if not done and pending.server is not None:
-                self._send_to(pending.server, wire.Abort(sender=self.name, request_id=request_id))
+        return wire.Submit(sender=self.name, request_id=request_id, attempt=0, token_ids=token_ids,
+                           segments=segments, params=params_to_wire(params), pic_backend=spec, route=route or "")
 
     def abort(self, request_id: str) -> None:
+        self._forget(request_id)
+
+    def _forget(self, request_id: str) -> None:
         pending = self._pending.pop(request_id, None)
-        if pending is not None and pending.server is not None:
+        if pending is not None and not pending.done and pending.server is not None:
             self._send_to(pending.server, wire.Abort(sender=self.name, request_id=request_id))
 
+    # ---- (re)submission ----
     def _submit(self, pending: _Pending) -> None:
         leader = self.leader()
         if leader is None:
-            return  # submitted when a leader is known (on_leader_change)
-        message = wire.Submit(**{**{f: getattr(pending.submit, f) for f in pending.submit.__struct_fields__},
-                                 "attempt": pending.attempt})
-        self._send_to(leader, message)
+            pending.waiting_since = pending.waiting_since or self.liveness.clock()
+            return  # submitted once a leader is known (check), or failed after failover_timeout_s
+        pending.waiting_since = None
+        self._send_to(leader, self._attempt_submit(pending))
+
+    def _attempt_submit(self, pending: _Pending) -> wire.Submit:
+        """The current attempt: the original request, continued after what earlier attempts streamed."""
+        original, streamed = pending.submit, pending.earlier.token_ids
+        if not streamed:
+            return msgspec.structs.replace(original, attempt=pending.attempt)
+        params = replace(pending.params, max_tokens=pending.params.max_tokens - len(streamed))
+        seam = wire.Segment(SegmentKind.REGULAR.value, len(original.token_ids), len(streamed))
+        return msgspec.structs.replace(original, attempt=pending.attempt, token_ids=original.token_ids + list(streamed),
+                                       segments=original.segments + [seam], params=params_to_wire(params))
+
+    def _run_again(self, pending: _Pending, reason: str, since: float | None = None) -> None:
+        """A new attempt that continues what the client has been given."""
+        pending.losses += 1
+        if pending.losses > self.max_losses:
+            self._fail(pending, EngineDeadError(f"request lost {pending.losses} times (last: {reason}); giving up"))
+            return
+        kept = self._complete_characters(pending.current)
+        pending.earlier += kept
+        pending.current, pending.server, pending.handoff_to = Streamed(), None, ""
+        pending.attempt += 1
+        self.num_resubmitted += 1
+        logger.info("%s: running %s again as attempt %d after %d streamed tokens: %s", self.name,
+                    pending.submit.request_id, pending.attempt, len(pending.earlier.token_ids), reason)
+        if len(pending.earlier.token_ids) >= pending.params.max_tokens:
+            self._finish_at_length(pending)
+            return
+        pending.waiting_since = since
+        self._submit(pending)
+
+    def _complete_characters(self, streamed: Streamed) -> Streamed:
+        """``streamed`` without trailing tokens of a character not complete yet: they are not in its text (the
+        detokenizer holds them back), so the next attempt regenerates them instead of losing their bytes."""
+        ids = list(streamed.token_ids)
+        for _ in range(_MAX_CHAR_TOKENS):
+            if not ids or not self.tokenizer.decode(ids[-_MAX_CHAR_TOKENS - 2:]).endswith("\ufffd"):
+                break
+            ids.pop()
+        return Streamed(tuple(ids), streamed.logprobs[:len(ids)], streamed.text)
+
+    def _finish_at_length(self, pending: _Pending) -> None:
+        pending.done = True
+        pending.queue.put_nowait(self._merged(pending, finished=True, finish_reason="length", stop_reason=None))
+
+    def _fail(self, pending: _Pending, error: BaseException) -> None:
+        pending.done = True
+        pending.queue.put_nowait(error)
+
+    # ---- from peers ----
+    def on_output(self, msg: wire.Output | wire.Failed) -> None:
+        pending = self._pending.get(msg.request_id)
+        if pending is None or pending.done or msg.attempt != pending.attempt:
+            return
+        if isinstance(msg, wire.Failed):
+            if msg.resumable:
+                self._run_again(pending, f"{msg.sender}: {msg.message}")
+            else:
+                self._fail(pending, (ValueError if msg.client_error else EngineError)(msg.message))
+            return
+        pending.server, pending.handoff_to = msg.sender, msg.handoff_to
+        pending.current = Streamed(tuple(msg.token_ids), tuple(msg.logprobs), msg.text)
+        if pending.cached is None:
+            pending.cached = list(msg.cached)
+        output = self._merged(pending, msg.finished, msg.finish_reason, msg.stop_reason)
+        pending.done = output.finished
+        pending.queue.put_nowait(output)
+        if output.finished and not msg.finished:  # stopped on a stop string across the seam
+            self._send_to(msg.sender, wire.Abort(sender=self.name, request_id=msg.request_id))
+
+    def _merged(self, pending: _Pending, finished: bool, finish_reason: str | None,
+                stop_reason: str | int | None) -> RequestOutput:
+        streamed = pending.earlier + pending.current
+        text = streamed.text
+        if pending.earlier.text and pending.params.stop and not finished:
+            stop = find_stop_string(text, len(pending.current.text), pending.params.stop)
+            if stop is not None and stop[1] < len(pending.earlier.text):
+                text, finished, finish_reason, stop_reason = text[:stop[1]], True, "stop", stop[0]
+        completion = CompletionOutput(0, text, list(streamed.token_ids), list(streamed.logprobs), finish_reason,
+                                      stop_reason)
+        prefix, pic, recomputed = pending.cached or (0, 0, 0)
+        return RequestOutput(pending.submit.request_id, None, list(pending.submit.token_ids), [completion],
+                             finished=finished, num_cached_tokens=prefix + pic, num_prefix_cached_tokens=prefix,
+                             num_pic_cached_tokens=pic, num_recomputed_tokens=recomputed)
+
+    def on_not_leader(self, msg: wire.NotLeader) -> None:
+        pending = self._pending.get(msg.request_id)
+        if pending is not None and not pending.done and msg.attempt == pending.attempt and not pending.started:
+            pending.waiting_since = pending.waiting_since or self.liveness.clock()  # check() submits it again
+
+    def on_leader_change(self, leader: str | None, previous: str | None = None) -> None:
+        """Requests that have produced nothing yet, or whose output came from the old leader (it may have died
+        before handing them to a decode peer), go to the new leader: it knows nothing of them."""
+        for pending in list(self._pending.values()):
+            if pending.done:
+                continue
+            if not pending.started:
+                pending.attempt += 1  # whatever the old leader planned is not waited for any more
+                self._submit(pending)
+            elif previous is not None and pending.server == previous:
+                self._run_again(pending, f"the leader {previous} changed", self.liveness.last_heard(previous))
+
+    def check(self) -> None:
+        """Called periodically: run again what a dead peer was streaming, submit what waits for a leader, and
+        fail what waited too long."""
+        now = self.liveness.clock()
+        for pending in list(self._pending.values()):
+            if pending.done:
+                continue
+            carriers = [peer for peer in (pending.server, pending.handoff_to) if peer]
+            dead = next((peer for peer in carriers if not self.liveness.alive(peer)), None)
+            if dead is not None:
+                self._run_again(pending, f"peer {dead} stopped answering", self.liveness.last_heard(dead))
+            elif pending.waiting_since is not None:
+                if now - pending.waiting_since > self.failover_timeout_s:
+                    self._fail(pending, EngineDeadError(
+                        f"no leader could take the request for {self.failover_timeout_s:.0f} s "
+                        f"(peer {self.name} may be cut off from the cluster)"))
+                elif self.leader() is not None:
+                    pending.attempt += 1
+                    self._submit(pending)
 
     def _send_to(self, peer: str, message: wire.Msg) -> None:
         if peer == self.name:
             self.deliver_local(message)
         else:
             self.send(peer, message)
-
-    # ---- from peers ----
-    def on_output(self, msg: wire.Output | wire.Failed) -> None:
-        pending = self._pending.get(msg.request_id)
-        if pending is None or msg.attempt != pending.attempt:
-            return
-        pending.started = True
-        pending.server = msg.sender
-        pending.queue.put_nowait(msg)
-
-    def on_replanned(self, msg: wire.Replanned) -> None:
-        pending = self._pending.get(msg.request_id)
-        if pending is not None and msg.attempt > pending.attempt:
-            pending.attempt, pending.started = msg.attempt, False
-
-    def on_leader_change(self, leader: str | None, previous: str | None = None) -> None:
-        """Requests that have produced nothing yet, or whose prefill ran on the old leader (it may have died
-        before handing them to a decode peer), go to the new leader: it knows nothing of them."""
-        if leader is None:
-            return
-        for pending in self._pending.values():
-            if not pending.started or (previous is not None and pending.server == previous):
-                pending.attempt += 1
-                self.num_resubmitted += 1
-                self._submit(pending)
-
-
-def _to_output(msg: wire.Output, prompt_token_ids: list[int]) -> RequestOutput:
-    completion = CompletionOutput(0, msg.text, list(msg.token_ids), list(msg.logprobs), msg.finish_reason,
-                                  msg.stop_reason)
-    prefix, pic, recomputed = msg.cached
-    return RequestOutput(msg.request_id, None, prompt_token_ids, [completion], finished=msg.finished,
-                         num_cached_tokens=prefix + pic, num_prefix_cached_tokens=prefix, num_pic_cached_tokens=pic,
-                         num_recomputed_tokens=recomputed)

@@ -2,6 +2,9 @@
 
 ``LocalCluster`` is used by ``nebula-engine serve --prefill-workers N``, by ``tools/bench_cluster.py`` and by the
 multi-process tests. It owns the processes it starts and stops them (SIGTERM, then SIGKILL) by their pids.
+Its peers' internal listeners (control, Raft, NIXL) are on loopback; only their HTTP APIs may listen elsewhere.
+Unless given one, it draws a random cluster secret and hands it (and the API key) to its peers in their
+environment, never on a command line.
 """
 
 from __future__ import annotations
@@ -17,9 +20,14 @@ import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
-from nebula_engine.cluster.peer import ClusterSpec, PeerSpec
+from nebula_engine.cluster.auth import SECRET_ENV, new_secret
+from nebula_engine.cluster.election import ETCD_PASSWORD_ENV
+from nebula_engine.cluster.spec import API_KEY_ENV, ClusterSpec, PeerSettings, PeerSpec
+
+LOOPBACK = "127.0.0.1"
 
 
 def free_ports(count: int, host: str = "127.0.0.1", avoid: list[int] = ()) -> list[int]:
@@ -49,28 +57,34 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999
 
 
-def local_spec(num_prefill: int, num_decode: int, host: str = "127.0.0.1", port: int = 0, policy: str = "nebula",
+def local_spec(num_prefill: int, num_decode: int, host: str = LOOPBACK, port: int = 0, policy: str = "nebula",
                etcd: str | None = None) -> ClusterSpec:
-    """Peers ``prefill-0..`` then ``decode-0..``; HTTP ports ``port, port+1, ...`` (free ports when 0)."""
+    """Peers ``prefill-0..`` then ``decode-0..``; HTTP on ``host``, ports ``port, port+1, ...`` (free ports when 0);
+    every other listener on loopback."""
     if num_prefill < 1 or num_decode < 0:
         raise ValueError(f"need >= 1 prefill and >= 0 decode workers, got {num_prefill} and {num_decode}")
     count = num_prefill + num_decode
     fixed_http = [] if port == 0 else [port + i for i in range(count)]
-    ports = free_ports(3 * count - len(fixed_http), host, avoid=fixed_http)  # one draw: no port handed out twice
-    internal, http = ports[:2 * count], fixed_http or ports[2 * count:]
+    internal = free_ports(2 * count, LOOPBACK, avoid=fixed_http)
+    http = fixed_http or free_ports(count, host, avoid=internal)
     peers = []
     for i in range(count):
         role, index = ("prefill", i) if i < num_prefill else ("decode", -1)
         name = f"prefill-{i}" if role == "prefill" else f"decode-{i - num_prefill}"
-        peers.append(PeerSpec(name, role, host, internal[2 * i], internal[2 * i + 1], http[i], index))
+        peers.append(PeerSpec(name, role, LOOPBACK, internal[2 * i], internal[2 * i + 1], http[i], index,
+                              http_host="" if host == LOOPBACK else host))
     return ClusterSpec(tuple(peers), policy, etcd)
 
 
 class LocalCluster:
     def __init__(self, model: str, spec: ClusterSpec, engine_options: dict | None = None,
-                 served_model_name: str | None = None, log_dir: str | Path | None = None, log_level: str = "warning"):
+                 served_model_name: str | None = None, log_dir: str | Path | None = None, log_level: str = "warning",
+                 settings: PeerSettings = PeerSettings()):
+        if spec.spans_machines:
+            raise ValueError("a local cluster runs on this machine: every peer's host must be a loopback address")
         self.model = model
         self.spec = spec
+        self.settings = settings if settings.cluster_secret else replace(settings, cluster_secret=new_secret())
         self.engine_options = engine_options or {}
         self.served_model_name = served_model_name or model
         self._tmp = tempfile.TemporaryDirectory(prefix="nebula-cluster-")
@@ -113,9 +127,26 @@ class LocalCluster:
         log = open(self.log_dir / f"{name}.log", "ab")
         command = [sys.executable, "-m", "nebula_engine.cluster.peer", "--spec", str(spec_file), "--name", name,
                    "--model", self.model, "--served-model-name", self.served_model_name,
-                   "--engine-options", json.dumps(self._peer_options(name)), "--log-level", self.log_level]
-        self.processes[name] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                   "--engine-options", json.dumps(self._peer_options(name)), "--log-level", self.log_level,
+                   *self._settings_args()]
+        self.processes[name] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self._peer_env())
+
+    def _settings_args(self) -> list[str]:
+        settings, access = self.settings, self.settings.etcd_access
+        args = ["--peer-timeout", str(settings.peer_timeout_s), "--failover-timeout", str(settings.failover_timeout_s),
+                "--max-request-bytes", str(settings.max_request_bytes)]
+        for flag, value in (("--etcd-ca-cert", access.ca_cert), ("--etcd-cert", access.cert),
+                            ("--etcd-key", access.key), ("--etcd-user", access.user)):
+            if value is not None:
+                args += [flag, value]
+        return args
+
+    def _peer_env(self) -> dict[str, str]:
+        """The secrets travel in the environment (only this user and root can read /proc/PID/environ)."""
+        env = {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, API_KEY_ENV, ETCD_PASSWORD_ENV)}
+        secrets = {SECRET_ENV: self.settings.cluster_secret, API_KEY_ENV: self.settings.api_key,
+                   ETCD_PASSWORD_ENV: self.settings.etcd_access.password}
+        return {**env, **{k: v for k, v in secrets.items() if v}, "PYTHONUNBUFFERED": "1"}
 
     def restart(self, name: str, timeout: float = 180.0) -> None:
         self.stop_peer(name, kill=True)

@@ -2,10 +2,13 @@
 
 Everything but the engine loop and NIXL reads runs on one asyncio loop: the ZMQ inbox, the router (only
 active on the leader), the worker's command handlers, the front end and the uvicorn server. A peer only learns
-who leads from its election; the router state it builds when it starts leading comes from worker snapshots.
+who leads from its election, and forgets the leader while it has no quorum or hears nothing from it; the router
+state it builds when it starts leading comes from worker snapshots. Every peer heartbeats every other one.
 
 Run as ``python -m nebula_engine.cluster.peer --spec cluster.json --name NAME --engine-options JSON``
-(``nebula-engine serve`` does this for each peer of a local cluster).
+(``nebula-engine serve`` does this for each peer of a local cluster). Secrets come from the environment
+(``NEBULA_CLUSTER_SECRET``, ``NEBULA_API_KEY``, ``NEBULA_ETCD_PASSWORD``) or a 0600 file, never from the command
+line, where ``ps`` would show them.
 """
 
 from __future__ import annotations
@@ -16,82 +19,32 @@ import json
 import logging
 import os
 import signal
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 from nebula_engine.cluster import wire
+from nebula_engine.cluster.auth import SecretError, cluster_secret, derive_key
 from nebula_engine.cluster.config import ClusterConfig, ClusterProfile, TransferLink
-from nebula_engine.cluster.election import EtcdElection, LeaderElection, RaftElection
+from nebula_engine.cluster.election import ETCD_PASSWORD_ENV, EtcdAccess, EtcdElection, LeaderElection, RaftElection
 from nebula_engine.cluster.frontend import ClusterFrontend
+from nebula_engine.cluster.liveness import HEARTBEAT_S, Liveness
 from nebula_engine.cluster.router import RouterService
-from nebula_engine.cluster.transfer import KVTransferAgent
+from nebula_engine.cluster.spec import API_KEY_ENV, ClusterSpec, PeerSettings, check_secured
+from nebula_engine.cluster.transfer import KVTransferAgent, TransferError, confine_ucx_to
 from nebula_engine.cluster.transport import Messenger
 from nebula_engine.cluster.worker import WorkerService, backend_arg
 
 logger = logging.getLogger(__name__)
 
-POLICIES = ("pc", "local-pic", "nebula")
-
-
-@dataclass(frozen=True)
-class PeerSpec:
-    name: str
-    role: str  # "prefill" | "decode"
-    host: str
-    ctrl_port: int
-    raft_port: int
-    http_port: int
-    worker_index: int  # 0..N-1 for prefill peers, -1 for decode peers
-
-    @property
-    def ctrl_address(self) -> str:
-        return f"tcp://{self.host}:{self.ctrl_port}"
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.http_port}"
-
-
-@dataclass(frozen=True)
-class ClusterSpec:
-    peers: tuple[PeerSpec, ...]
-    policy: str = "nebula"
-    etcd: str | None = None  # "host:port": etcd leases instead of the embedded Raft election
-
-    def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"unknown cluster policy {self.policy!r}; choose from {POLICIES}")
-        if not any(p.role == "prefill" for p in self.peers):
-            raise ValueError("a cluster needs at least one prefill peer")
-        if len({p.name for p in self.peers}) != len(self.peers):
-            raise ValueError("peer names must be unique")
-
-    @property
-    def prefill_peers(self) -> list[PeerSpec]:
-        return sorted((p for p in self.peers if p.role == "prefill"), key=lambda p: p.worker_index)
-
-    @property
-    def decode_peers(self) -> list[PeerSpec]:
-        return [p for p in self.peers if p.role == "decode"]
-
-    def peer(self, name: str) -> PeerSpec:
-        for spec in self.peers:
-            if spec.name == name:
-                return spec
-        raise ValueError(f"no peer named {name!r} in the cluster spec; peers: {[p.name for p in self.peers]}")
-
-    def to_json(self) -> str:
-        return json.dumps({"policy": self.policy, "etcd": self.etcd, "peers": [asdict(p) for p in self.peers]})
-
-    @classmethod
-    def from_json(cls, text: str) -> ClusterSpec:
-        data = json.loads(text)
-        return cls(tuple(PeerSpec(**p) for p in data["peers"]), data.get("policy", "nebula"), data.get("etcd"))
+TICK_S = 0.1
 
 
 class Peer:
-    def __init__(self, spec: ClusterSpec, name: str, engine_options: dict, model: str, served_model_name: str):
+    def __init__(self, spec: ClusterSpec, name: str, engine_options: dict, model: str, served_model_name: str,
+                 settings: PeerSettings = PeerSettings()):
+        check_secured(spec, settings)
         self.spec = spec
+        self.settings = settings
         self.me = spec.peer(name)
         self.name = name
         self.engine_options = dict(engine_options)
@@ -110,19 +63,26 @@ class Peer:
         options = {**self.engine_options, "worker_id": max(self.me.worker_index, 0)}
         self.engine = AsyncLLMEngine.from_config(EngineConfig.create(self.model, **options))
         storage = self.engine.engine.model_runner.kv_storage
+        confine_ucx_to(self.me.host)
         self.agent = KVTransferAgent.for_storage(self.name, storage)
         self.messenger = Messenger(self.name, f"tcp://{self.me.host}:{self.me.ctrl_port}",
-                                   {p.name: p.ctrl_address for p in self.spec.peers if p.name != self.name})
+                                   {p.name: p.ctrl_address for p in self.spec.peers if p.name != self.name},
+                                   self.settings.cluster_secret)
+        settings, peer_names = self.settings, [p.name for p in self.spec.peers]
+        self.liveness = Liveness(self.name, peer_names, settings.peer_timeout_s)
         self.worker = WorkerService(self.name, self.me.role, self.me.worker_index, self.engine, self.agent,
-                                    self.send, lambda: self.leader_name, self._pic_key)
+                                    self.send, lambda: self.leader_name, self._pic_key, self.liveness)
         self.worker.local_router = self.dispatch
         model = self.engine.engine.model_runner.model
         self.router = RouterService(self.name, [p.name for p in self.spec.prefill_peers],
                                     [p.name for p in self.spec.decode_peers], self._cluster_config(), self.spec.policy,
-                                    self.send, self._pic_key, decode_here=has_linear_attention(model))
-        self.frontend = ClusterFrontend(self.name, self.engine, self.messenger.send, lambda: self.leader_name,
-                                        self.dispatch, [p.name for p in self.spec.prefill_peers])
+                                    self.send, self._pic_key, decode_here=has_linear_attention(model),
+                                    dead_after_s=settings.peer_timeout_s)
         self.election = self._election()
+        self.frontend = ClusterFrontend(self.name, self.engine, self.messenger.send, lambda: self.leader_name,
+                                        lambda: self.election.has_quorum, self.dispatch,
+                                        [p.name for p in self.spec.prefill_peers], self.liveness,
+                                        settings.failover_timeout_s, max_losses=len(peer_names))
 
     def _cluster_config(self) -> ClusterConfig:
         """The planner's cost model for this machine: the engine's real KV size, loopback NIXL bandwidth."""
@@ -164,9 +124,11 @@ class Peer:
     def _election(self) -> LeaderElection:
         if self.spec.etcd:
             host, _, port = self.spec.etcd.rpartition(":")
-            return EtcdElection(self.name, host, int(port))
+            return EtcdElection(self.name, host, int(port), access=self.settings.etcd_access)
         peers = {p.name: f"{p.host}:{p.raft_port}" for p in self.spec.peers}
-        return RaftElection(self.name, peers[self.name], peers)
+        secret = self.settings.cluster_secret
+        password = derive_key(secret, "raft/v1").hex() if secret else None
+        return RaftElection(self.name, peers[self.name], peers, password)
 
     # ---- messaging ----
     def send(self, peer: str, message: wire.Msg) -> None:
@@ -177,8 +139,10 @@ class Peer:
 
     def dispatch(self, msg: wire.Msg) -> None:
         """Route one message to the component that handles it (on the event loop)."""
-        if self.router.active and msg.sender != self.name:
-            self.router.seen(msg.sender)
+        if msg.sender != self.name:
+            self.liveness.heard(msg.sender)
+            if self.router.active:
+                self.router.seen(msg.sender)
         spawn = asyncio.get_running_loop().create_task
         match msg:
             case wire.Hello():
@@ -187,8 +151,8 @@ class Peer:
                 pass
             case wire.Submit():
                 self.router.on_submit(msg)
-            case wire.Replanned():
-                self.frontend.on_replanned(msg)
+            case wire.NotLeader():
+                self.frontend.on_not_leader(msg)
             case wire.Scatter():
                 spawn(self.worker.on_scatter(msg))
             case wire.Combine():
@@ -221,9 +185,20 @@ class Peer:
                           nixl_metadata=self.agent.metadata(), reply=reply)
 
     def _on_hello(self, msg: wire.Hello) -> None:
-        self.agent.add_peer(msg.sender, msg.nixl_metadata)  # a restarted peer replaces its old entry
+        try:
+            self.agent.add_peer(msg.sender, msg.nixl_metadata)  # a restarted peer replaces its old entry
+        except (ValueError, TransferError) as error:
+            logger.error("%s: cannot read KV from %s: %s", self.name, msg.sender, error)
         if not msg.reply:
             self.messenger.send(msg.sender, self._hello(reply=True))
+
+    def _refresh_leader(self) -> None:
+        """The election's leader, unless it has been silent for the peer timeout (cut off from this peer)."""
+        leader = self.election.leader
+        if leader is not None and not self.liveness.alive(leader):
+            leader = None
+        if leader != self.leader_name:
+            self._on_leader_change(leader)
 
     def _on_leader_change(self, leader: str | None) -> None:
         if leader == self.leader_name:
@@ -249,24 +224,28 @@ class Peer:
         for peer in self.spec.peers:
             if peer.name != self.name:
                 self.messenger.send(peer.name, self._hello(reply=False))
-        self.election.on_change = lambda leader: loop.call_soon_threadsafe(self._on_leader_change, leader)
+        self.election.on_change = lambda leader: loop.call_soon_threadsafe(self._refresh_leader)
         self.election.start()
-        app = build_app(self.frontend, self.served_model_name)
+        app = build_app(self.frontend, self.served_model_name, api_key=self.settings.api_key,
+                        max_request_bytes=self.settings.max_request_bytes)
         self._register_metrics(app)
 
         @app.get("/cluster")
         async def cluster_state() -> dict:
             """This peer's view of the cluster (for operators and tests)."""
+            engine = self.engine.stats()
             return {"name": self.name, "role": self.me.role, "leader": self.leader_name,
+                    "quorum": self.election.has_quorum, "dropped_frames": self.messenger.num_dropped,
+                    "engine": {"running": engine.num_running, "waiting": engine.num_waiting},
                     "router": {"active": self.router.active, "in_flight": len(self.router.in_flight),
-                               "planned": self.router.num_planned, "replanned": self.router.num_replanned,
+                               "planned": self.router.num_planned, "lost": self.router.num_lost,
                                "dead": sorted(self.router.dead)},
                     "transfer_bytes": self.worker.transfer_bytes, "transfer_failures": self.worker.transfer_failures,
                     "resubmitted": self.frontend.num_resubmitted, "nixl_peers": sorted(self.agent.peers),
                     "pic": vars(self.engine.engine.model_runner.pic_executor.stats)
                     if self.engine.engine.model_runner.pic_executor else {}}
-        server = uvicorn.Server(uvicorn.Config(app, host=self.me.host, port=self.me.http_port, log_level="warning",
-                                               lifespan="off"))
+        server = uvicorn.Server(uvicorn.Config(app, host=self.me.api_host, port=self.me.http_port,
+                                               log_level="warning", lifespan="off"))
         server.install_signal_handlers = lambda: None
         tasks = [loop.create_task(coro) for coro in (server.serve(), self._inbox(), self._ticks())]
         try:
@@ -290,18 +269,19 @@ class Peer:
                 logger.exception("handling %s from %s failed", type(message).__name__, message.sender)
 
     async def _ticks(self) -> None:
-        """Heartbeats to the leader, cache events to the router, and (on the leader) liveness checks."""
+        """Heartbeats to every peer, the leader and the front end's requests checked, cache events to the router,
+        and (on the leader) liveness checks."""
         beat = 0
         while True:
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(TICK_S)
             beat += 1
+            self._refresh_leader()
+            if beat % round(HEARTBEAT_S / TICK_S) == 0:
+                for peer in self.spec.peers:
+                    if peer.name != self.name:
+                        self.messenger.send(peer.name, wire.Heartbeat(sender=self.name))
+            self.frontend.check()
             leader = self.leader_name
-            if leader is None:
-                leader = self.election.leader
-                if leader is not None:
-                    self._on_leader_change(leader)
-            if leader is not None and leader != self.name and beat % 3 == 0:
-                self.messenger.send(leader, wire.Heartbeat(sender=self.name))
             if leader is not None:
                 try:
                     await self.worker.pump_events()
@@ -339,6 +319,14 @@ class Peer:
         app.state.metrics.register(ClusterCollector())
 
 
+def settings_from_args(args: argparse.Namespace) -> PeerSettings:
+    """Flags (files, timeouts) plus secrets from the environment."""
+    access = EtcdAccess(args.etcd_ca_cert, args.etcd_cert, args.etcd_key, args.etcd_user,
+                        os.environ.get(ETCD_PASSWORD_ENV) or None)
+    return PeerSettings(cluster_secret(file=args.cluster_secret_file), os.environ.get(API_KEY_ENV) or None, access,
+                        args.peer_timeout, args.failover_timeout, args.max_request_bytes)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="one nebula-engine cluster peer")
     parser.add_argument("--spec", required=True, help="cluster spec JSON file")
@@ -347,11 +335,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--served-model-name")
     parser.add_argument("--engine-options", default="{}", help="JSON object of EngineConfig.create options")
     parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--cluster-secret-file", help="0600 file holding the cluster secret "
+                                                      "(else $NEBULA_CLUSTER_SECRET)")
+    parser.add_argument("--peer-timeout", type=float, default=PeerSettings.peer_timeout_s)
+    parser.add_argument("--failover-timeout", type=float, default=PeerSettings.failover_timeout_s)
+    parser.add_argument("--max-request-bytes", type=int, default=PeerSettings.max_request_bytes)
+    for flag in ("--etcd-ca-cert", "--etcd-cert", "--etcd-key", "--etcd-user"):
+        parser.add_argument(flag)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {args.name} %(levelname)s %(name)s: "
                                                               "%(message)s")
     spec = ClusterSpec.from_json(Path(args.spec).read_text())
-    peer = Peer(spec, args.name, json.loads(args.engine_options), args.model, args.served_model_name or args.model)
+    try:
+        peer = Peer(spec, args.name, json.loads(args.engine_options), args.model,
+                    args.served_model_name or args.model, settings_from_args(args))
+    except (SecretError, ValueError) as error:
+        parser.exit(2, f"peer {args.name}: {error}\n")
     asyncio.run(peer.run())
     os._exit(0)  # NIXL / UCX threads must not keep a stopped peer alive
 

@@ -3,9 +3,11 @@
 A plan becomes messages: ``Scatter`` to each worker that prefills a cold segment, and one ``Combine`` to the
 combine home listing, per PIC segment, the peer to fetch it from. The router never touches KV bytes. It keeps
 each request in flight until its combine is done, so that when a prefill peer stops answering (no message for
-``dead_after_s``) every request planned on it is planned again elsewhere, with a higher attempt number that
-the request's front end switches to. A new leader starts with no requests in flight (front ends resubmit
-theirs) and rebuilds its view from every worker's snapshot.
+``dead_after_s``) every request planned on it is reported lost to its front end (a resumable ``Failed``), which
+submits it again: only front ends start attempts, so two runs of one request never share an attempt number.
+A router that does not lead refuses submissions (``NotLeader``); one it cannot plan fails them. A new leader
+starts with no requests in flight (front ends resubmit theirs) and rebuilds its view from every worker's
+snapshot.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ class RouterService:
         self.dead: set[str] = set()
         self._event_seq: dict[int, int] = {}
         self.num_planned = 0
-        self.num_replanned = 0
+        self.num_lost = 0
 
     # ---- leadership ----
     def activate(self) -> None:
@@ -82,9 +84,17 @@ class RouterService:
     # ---- requests ----
     def on_submit(self, msg: wire.Submit) -> None:
         if not self.active:
+            self.deliver(msg.sender, wire.NotLeader(sender=self.name, request_id=msg.request_id, attempt=msg.attempt))
             return
         self.seen(msg.sender)
-        self._plan(msg, msg.attempt)
+        try:
+            self._plan(msg, msg.attempt)
+        except Exception as error:  # a planning bug must fail this request, not leave it waiting forever
+            logger.exception("planning %s failed", msg.request_id)
+            self.in_flight.pop(msg.request_id, None)
+            self.deliver(msg.sender, wire.Failed(sender=self.name, request_id=msg.request_id, attempt=msg.attempt,
+                                                 message=f"the router could not plan it: {error!r}",
+                                                 client_error=False))
 
     def _plan(self, msg: wire.Submit, attempt: int) -> None:
         spec = None if self.policy == "pc" else msg.pic_backend
@@ -161,7 +171,7 @@ class RouterService:
 
     # ---- failures ----
     def check_liveness(self) -> list[str]:
-        """Declare peers silent for ``dead_after_s`` dead and re-plan what was planned on them; returns them."""
+        """Declare peers silent for ``dead_after_s`` dead and report what was planned on them lost; returns them."""
         if not self.active:
             return []
         now = self.clock()
@@ -176,14 +186,15 @@ class RouterService:
                 self.control.view.reserve(f"dead/{peer}", worker, DEAD_LOAD)
                 for request_id, flight in list(self.in_flight.items()):
                     if flight.home == worker:
-                        self._replan(request_id, flight)
+                        self._lose(request_id, flight, peer)
         return newly_dead
 
-    def _replan(self, request_id: str, flight: InFlight) -> None:
+    def _lose(self, request_id: str, flight: InFlight, peer: str) -> None:
         for task in flight.tasks:
             self.control.view.release(task)
-        attempt = flight.attempt + 1
-        self.num_replanned += 1
-        self.deliver(flight.submit.sender, wire.Replanned(sender=self.name, request_id=request_id, attempt=attempt))
-        self._plan(flight.submit, attempt)
+        del self.in_flight[request_id]
+        self.num_lost += 1
+        self.deliver(flight.submit.sender, wire.Failed(
+            sender=self.name, request_id=request_id, attempt=flight.attempt, client_error=False, resumable=True,
+            message=f"its prefill peer {peer} stopped answering"))
 

@@ -23,12 +23,21 @@ held for the whole call, so one transfer is in flight per agent at a time, and `
 ``remove_peer`` / ``close`` wait for a running ``read_pages`` (bounded by its timeout).
 
 NIXL is imported lazily, so the rest of the package imports without it; ``nixl_available()`` tells.
+
+UCX (NIXL's backend) listens on every network interface unless told otherwise: ``confine_ucx_to(host)``, called
+before the first agent is made, restricts it to the interface that owns ``host`` (``UCX_NET_DEVICES``). UCX has
+no authentication of its own: whoever reaches that interface and knows a peer's metadata can read its pages, so
+that interface must be on a network only the cluster's machines reach.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import ipaddress
+import logging
+import os
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -37,6 +46,8 @@ from typing import Any, Sequence
 import msgspec
 import numpy as np
 import torch
+
+logger = logging.getLogger(__name__)
 
 METADATA_VERSION = 1
 _LOCAL_DLIST = "NIXL_INIT_AGENT"  # NIXL's name for the initiator's own side of a prepared list
@@ -57,6 +68,37 @@ def nixl_available() -> bool:
 
 
 PROGRESS_INTERVAL_S = 0.0005
+UCX_DEVICES_ENV = "UCX_NET_DEVICES"
+
+
+def interface_of(host: str) -> str:
+    """The network interface that owns ``host``'s address (``lo`` for loopback); ValueError if none here does."""
+    import psutil
+
+    try:
+        wanted = {ipaddress.ip_address(info[4][0].split("%")[0]) for info in socket.getaddrinfo(host, None)}
+    except socket.gaierror as error:
+        raise ValueError(f"cannot resolve peer host {host!r}: {error}") from error
+    for name, addresses in psutil.net_if_addrs().items():
+        for address in addresses:
+            if address.family in (socket.AF_INET, socket.AF_INET6):
+                if ipaddress.ip_address(address.address.split("%")[0]) in wanted:
+                    return name
+    if any(address.is_loopback for address in wanted):
+        return "lo"
+    raise ValueError(f"no network interface of this machine has the address of peer host {host!r}; "
+                     "a peer's host must be one of its own addresses")
+
+
+def confine_ucx_to(host: str) -> None:
+    """Make UCX listen on ``host``'s interface only (unless the operator set ``UCX_NET_DEVICES``)."""
+    device = interface_of(host)
+    chosen = os.environ.get(UCX_DEVICES_ENV)
+    if chosen is None:
+        os.environ[UCX_DEVICES_ENV] = device
+    elif device not in chosen.split(","):
+        logger.warning("%s=%s does not include %s, the interface of this peer's host %s: UCX listens elsewhere",
+                       UCX_DEVICES_ENV, chosen, device, host)
 
 
 def _nixl_api():

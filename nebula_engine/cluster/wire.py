@@ -1,7 +1,7 @@
 """Messages between peer processes and their one codec (msgpack via msgspec, tagged by type).
 
-Every message names its sender peer. Request-scoped messages carry ``attempt``: a request re-planned after a
-failure gets a higher attempt, and a front end only accepts outputs of the attempt it is waiting for.
+Every message names its sender peer. Request-scoped messages carry ``attempt``: only a request's front end starts
+a new attempt (after a failure: a higher number), and it only accepts outputs of the attempt it is waiting for.
 Worker cache events travel as ``CacheEventMsg`` and become ``cluster.messages`` events at the router.
 """
 
@@ -49,7 +49,9 @@ class Submit(Msg):
     route: str = ""  # a prefill peer that must run the combine ("" = the planner decides)
 
 
-class Replanned(Msg):
+class NotLeader(Msg):
+    """A router that does not lead (any more) refuses a ``Submit``; the front end submits it to the leader."""
+
     request_id: str
     attempt: int
 
@@ -159,6 +161,7 @@ class Output(Msg):
     finish_reason: str | None
     stop_reason: str | int | None
     cached: list[int]  # prefix, PIC, recomputed token counts
+    handoff_to: str = ""  # the decode peer this request moves to next: it carries the request from now on
 
 
 class Failed(Msg):
@@ -166,13 +169,14 @@ class Failed(Msg):
     attempt: int
     message: str
     client_error: bool  # True: the request's fault (HTTP 400)
+    resumable: bool = False  # True: a peer it needed is gone; the front end runs it again (continuing its output)
 
 
 class Abort(Msg):
     request_id: str
 
 
-MESSAGE = (Hello | Heartbeat | Submit | Replanned | Scatter | Combine | SnapshotRequest | PCShare | CacheEventMsg
+MESSAGE = (Hello | Heartbeat | Submit | NotLeader | Scatter | Combine | SnapshotRequest | PCShare | CacheEventMsg
            | TaskDone | PinSegment | PinReply | Unpin | Handoff | HandoffDone | Output | Failed | Abort)
 
 _encoder = msgspec.msgpack.Encoder()

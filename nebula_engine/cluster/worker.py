@@ -3,9 +3,12 @@
 - ``Scatter``: prefill one cold PIC segment alone into this worker's PIC store.
 - ``Combine``: fetch the request's remote segments (pin on the holder, NIXL read into fresh local pages,
   store locally, unpin), then run the request on the local engine (its PIC executor finds every segment in the
-  local store and runs the combine prefill). With a decode peer, the request stops after its first token and
-  its pages are held until the decode peer has read them (``Handoff``); otherwise it decodes here.
-- ``Handoff`` (decode peers): reserve pages, read the prompt K/V from the prefill peer, continue decoding.
+  local store and runs the combine prefill). With a live decode peer, the request stops after its first token
+  and its pages are held until the decode peer has read them (``Handoff``); otherwise it decodes here. If the
+  decode peer dies (or never confirms) first, the request is reported lost (a resumable ``Failed``) and its
+  front end runs it again after the token already streamed.
+- ``Handoff`` (decode peers): reserve pages, read the prompt K/V from the prefill peer, continue decoding; a read
+  that fails reports the request lost the same way (recomputing here would repeat the first token).
 - Cache events (PIC stores/evicts, plus one PC event per cached prompt segment) and task completions go to the
   router. A failed or timed-out transfer never produces a wrong result: the segment is simply computed here.
 
@@ -21,10 +24,10 @@ import logging
 from dataclasses import replace
 from typing import Any, Callable
 
-import msgspec
 import torch
 
 from nebula_engine.cluster import wire
+from nebula_engine.cluster.liveness import Liveness
 from nebula_engine.cluster.request_keys import prompt_keys
 from nebula_engine.cluster.transfer import KVTransferAgent, TransferError
 from nebula_engine.engine.async_engine import AsyncLLMEngine
@@ -39,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 PIN_TIMEOUT_S = 10.0
 TRANSFER_TIMEOUT_S = 10.0
+HANDOFF_TIMEOUT_S = TRANSFER_TIMEOUT_S + 5  # a live decode peer reads within its transfer timeout
 
 
 def params_to_wire(params: SamplingParams) -> wire.Params:
@@ -65,14 +69,15 @@ def engine_request_id(request_id: str, attempt: int) -> str:
     return f"{request_id}#{attempt}"
 
 
-def output_to_wire(sender: str, request_id: str, output: RequestOutput, attempt: int) -> wire.Output:
+def output_to_wire(sender: str, request_id: str, output: RequestOutput, attempt: int,
+                   handoff_to: str = "") -> wire.Output:
     completion = output.outputs[0]
     return wire.Output(sender=sender, request_id=request_id, attempt=attempt, text=completion.text,
                        token_ids=list(completion.token_ids), logprobs=list(completion.logprobs),
                        finished=output.finished, finish_reason=completion.finish_reason,
                        stop_reason=completion.stop_reason,
                        cached=[output.num_prefix_cached_tokens, output.num_pic_cached_tokens,
-                               output.num_recomputed_tokens])
+                               output.num_recomputed_tokens], handoff_to=handoff_to)
 
 
 def _state_bytes(state: dict) -> bytes:
@@ -88,8 +93,9 @@ def _state_from_bytes(data: bytes) -> dict:
 class WorkerService:
     def __init__(self, name: str, role: str, worker_index: int, engine: AsyncLLMEngine, agent: KVTransferAgent,
                  send: Callable[[str, wire.Msg], None], leader: Callable[[], str | None],
-                 pic_key: Callable[[str | None, list[int]], str]):
+                 pic_key: Callable[[str | None, list[int]], str], liveness: Liveness):
         self.name, self.role, self.worker_index = name, role, worker_index
+        self.liveness = liveness
         self.engine = engine
         self.agent = agent
         self.send = send
@@ -163,7 +169,7 @@ class WorkerService:
             remote = [s for s in msg.sources if s.peer and s.peer != self.name]
             if remote:
                 await asyncio.gather(*(self._fetch(s, segmented, msg.pic_backend) for s in remote))
-            if msg.decode_peer and msg.decode_peer != self.name:
+            if msg.decode_peer and msg.decode_peer != self.name and self.liveness.alive(msg.decode_peer):
                 await self._prefill_and_hand_off(msg, segmented, params, backend)
             else:
                 await self._serve_locally(msg, segmented, params, backend)
@@ -182,9 +188,10 @@ class WorkerService:
                 self._report(wire.TaskDone(sender=self.name, worker_index=self.worker_index, task_id=task_id,
                                            request_id=msg.request_id))
 
-    def _fail(self, msg: wire.Combine | wire.Handoff, message: str, client_error: bool) -> None:
+    def _fail(self, msg: wire.Combine | wire.Handoff, message: str, client_error: bool,
+              resumable: bool = False) -> None:
         self.send(msg.frontend, wire.Failed(sender=self.name, request_id=msg.request_id, attempt=msg.attempt,
-                                            message=message, client_error=client_error))
+                                            message=message, client_error=client_error, resumable=resumable))
 
     async def _serve_locally(self, msg: wire.Combine, segmented, params, backend) -> None:
         engine_id = engine_request_id(msg.request_id, msg.attempt)
@@ -202,7 +209,8 @@ class WorkerService:
             return
         first.finished = False
         first.outputs[0].finish_reason = None
-        self.send(msg.frontend, output_to_wire(self.name, msg.request_id, first, msg.attempt))  # first token (TTFT)
+        self.send(msg.frontend, output_to_wire(self.name, msg.request_id, first, msg.attempt,  # TTFT
+                                               handoff_to=msg.decode_peer))
         pages = await self.engine.call(lambda e: e.held_block_table(engine_id))
         handoff_done = asyncio.get_running_loop().create_future()
         self._handoffs[engine_id] = handoff_done
@@ -212,19 +220,26 @@ class WorkerService:
             first_logprob=completion.logprobs[0], params=msg.params, pages=pages,
             cached=[first.num_prefix_cached_tokens, first.num_pic_cached_tokens, first.num_recomputed_tokens]))
         try:
-            await asyncio.wait_for(handoff_done, TRANSFER_TIMEOUT_S + 5)
-            return
-        except asyncio.TimeoutError:
-            logger.warning("decode peer %s did not confirm the hand-off of %s: decoding it here",
-                           msg.decode_peer, msg.request_id)
+            outcome = await self._unless_dead(handoff_done, msg.decode_peer, HANDOFF_TIMEOUT_S)
         finally:
             self._handoffs.pop(engine_id, None)
             await self.engine.call(lambda e: e.release_held(engine_id))
-        # the decode peer is gone (or too slow to trust): serve the request here under a new attempt, so the
-        # front end ignores anything a late decode peer might still send
-        again = msgspec.structs.replace(msg, attempt=msg.attempt + 1)
-        self.send(msg.frontend, wire.Replanned(sender=self.name, request_id=msg.request_id, attempt=again.attempt))
-        await self._serve_locally(again, segmented, params, backend)
+        if outcome != "done":
+            logger.warning("decode peer %s did not take the hand-off of %s (%s)", msg.decode_peer, msg.request_id,
+                           outcome)
+            self._fail(msg, f"decode peer {msg.decode_peer} did not take the hand-off ({outcome})",
+                       client_error=False, resumable=True)
+
+    async def _unless_dead(self, reply: asyncio.Future, peer: str, timeout: float) -> str:
+        """Wait for ``reply`` from ``peer``: "done", or "dead" once ``peer`` counts as dead, or "timed out"."""
+        peer_died = asyncio.ensure_future(self.liveness.wait_dead(peer))
+        try:
+            await asyncio.wait((reply, peer_died), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            peer_died.cancel()
+        if reply.done():
+            return "done"
+        return "dead" if peer_died.done() else "timed out"
 
     def on_handoff_done(self, msg: wire.HandoffDone) -> None:
         future = self._handoffs.get(msg.request_id)
@@ -243,13 +258,14 @@ class WorkerService:
         self.send(source.peer, wire.PinSegment(sender=self.name, tag=tag, key=source.key, num_tokens=len(ids),
                                                wait_s=PIN_TIMEOUT_S / 2))
         try:
-            reply = await asyncio.wait_for(reply_future, PIN_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            self.transfer_failures += 1
-            logger.warning("no pin reply from %s for %s", source.peer, source.key)
-            return
+            outcome = await self._unless_dead(reply_future, source.peer, PIN_TIMEOUT_S)
         finally:
             self._pin_replies.pop(tag, None)
+        if outcome != "done":
+            self.transfer_failures += 1
+            logger.warning("no pin reply from %s for %s (%s): computing it here", source.peer, source.key, outcome)
+            return
+        reply = reply_future.result()
         if not reply.ok:
             return
         try:
@@ -338,9 +354,11 @@ class WorkerService:
                                                         params, tuple(msg.cached))
             except (TransferError, ValueError, OutOfPagesError) as error:
                 self.transfer_failures += 1
-                logger.warning("hand-off of %s failed (%s): prefilling it here", msg.request_id, error)
+                logger.warning("hand-off of %s failed (%s): its front end runs it again", msg.request_id, error)
                 await self.engine.call(lambda e: e.cancel_prefilled(engine_id))
-                stream = self.engine.generate(engine_id, prompt, params, None)  # recompute, never a wrong result
+                self._fail(msg, f"decode peer {self.name} could not read its KV: {error}", client_error=False,
+                           resumable=True)
+                return
             finally:
                 self.send(msg.sender, wire.HandoffDone(sender=self.name, request_id=engine_id))
             async for output in stream:

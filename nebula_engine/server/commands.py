@@ -1,4 +1,5 @@
-"""``nebula-engine serve``: the OpenAI-compatible HTTP API over one local engine."""
+"""``nebula-engine serve``: the OpenAI-compatible HTTP API over one local engine, a local cluster, or one peer of a
+cluster spread over machines."""
 
 from __future__ import annotations
 
@@ -47,24 +48,40 @@ from nebula_engine.server.limits import DEFAULT_MAX_REQUEST_BYTES
 @click.option("--role", type=click.Choice(["prefill", "decode"]), help="Checked against the peer's role in --cluster.")
 @click.option("--etcd", help="HOST:PORT of an etcd to elect the leader with (default: embedded Raft).")
 @click.option("--api-key", envvar="NEBULA_API_KEY", show_envvar=True,
-              help="Every /v1 request must send 'Authorization: Bearer KEY' (401 otherwise); /health and /metrics "
-                   "stay open. Prefer the environment variable: a command line is visible to every local user.")
+              help="Every /v1 request must send 'Authorization: Bearer KEY' (401 otherwise), on every peer of a "
+                   "cluster; /health and /metrics stay open. Prefer the environment variable: a command line is "
+                   "visible to every local user.")
 @click.option("--max-request-bytes", type=click.IntRange(min=1), default=DEFAULT_MAX_REQUEST_BYTES, show_default=True,
-              help="A larger request body is refused with 413 before it is parsed.")
+              help="A larger request body is refused with 413 before it is parsed (every peer of a cluster).")
+@click.option("--cluster-secret", envvar="NEBULA_CLUSTER_SECRET", show_envvar=True,
+              help="Secret shared by a cluster's peers (>= 16 characters); required when they span machines. "
+                   "Prefer the variable or --cluster-secret-file: `ps` shows command lines. A local cluster "
+                   "draws one itself.")
+@click.option("--cluster-secret-file", type=click.Path(dir_okay=False, exists=True),
+              help="A file (mode 0600) holding the cluster secret.")
+@click.option("--peer-timeout", type=click.FloatRange(min=0, min_open=True), default=3.0, show_default=True,
+              help="Seconds of silence after which a cluster peer counts as dead.")
+@click.option("--failover-timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
+              help="A request whose peer died is re-run, or failed, within this many seconds of its last sign of "
+                   "life.")
+@click.option("--etcd-ca-cert", type=click.Path(dir_okay=False, exists=True), help="CA that signed etcd's certificate.")
+@click.option("--etcd-cert", type=click.Path(dir_okay=False, exists=True), help="Client certificate for etcd.")
+@click.option("--etcd-key", type=click.Path(dir_okay=False, exists=True), help="Key of --etcd-cert.")
+@click.option("--etcd-user", help="etcd user (its password in $NEBULA_ETCD_PASSWORD).")
 def serve(model, served_model_name, host, port, log_level, prefill_workers, decode_workers, policy, cluster_file,
-          name, role, etcd, api_key, max_request_bytes, **engine_options):
+          name, role, etcd, api_key, max_request_bytes, **options):
     """Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics.
 
     One engine by default; --prefill-workers N starts a whole local cluster (one process per peer, no external
     service); --cluster SPEC --name X runs one peer of a cluster spread over machines."""
     if api_key is not None and not api_key.strip():
         raise click.BadParameter("the API key is empty (check NEBULA_API_KEY)", param_hint="--api-key")
+    cluster_options = {key: options.pop(key) for key in CLUSTER_OPTIONS}
+    engine_options = options
     if cluster_file is not None or prefill_workers is not None:
-        if api_key is not None or max_request_bytes != DEFAULT_MAX_REQUEST_BYTES:
-            raise click.UsageError("--api-key / NEBULA_API_KEY and --max-request-bytes are not passed to cluster "
-                                   "peers yet; they apply to a single engine")
+        settings = _peer_settings(api_key, max_request_bytes, **cluster_options)
         _serve_cluster(model, served_model_name, host, port, log_level, prefill_workers, decode_workers, policy,
-                       cluster_file, name, role, etcd, engine_options)
+                       cluster_file, name, role, etcd, engine_options, settings)
         return
     import uvicorn
 
@@ -79,6 +96,26 @@ def serve(model, served_model_name, host, port, log_level, prefill_workers, deco
         uvicorn.run(app, host=host, port=port, log_level=log_level)
     finally:
         engine.shutdown()
+
+
+CLUSTER_OPTIONS = ("cluster_secret", "cluster_secret_file", "peer_timeout", "failover_timeout", "etcd_ca_cert",
+                   "etcd_cert", "etcd_key", "etcd_user")
+
+
+def _peer_settings(api_key, max_request_bytes, cluster_secret, cluster_secret_file, peer_timeout, failover_timeout, etcd_ca_cert,
+                   etcd_cert, etcd_key, etcd_user):
+    import os
+
+    from nebula_engine.cluster.auth import cluster_secret as read_cluster_secret
+    from nebula_engine.cluster.election import ETCD_PASSWORD_ENV, EtcdAccess
+    from nebula_engine.cluster.spec import PeerSettings
+
+    try:
+        secret = read_cluster_secret(flag=cluster_secret, file=cluster_secret_file)
+        access = EtcdAccess(etcd_ca_cert, etcd_cert, etcd_key, etcd_user, os.environ.get(ETCD_PASSWORD_ENV) or None)
+        return PeerSettings(secret, api_key, access, peer_timeout, failover_timeout, max_request_bytes)
+    except ValueError as exc:  # SecretError too
+        raise click.UsageError(str(exc)) from exc
 
 
 def _start_engine(model: str | None, engine_options: dict):
@@ -97,14 +134,18 @@ def _start_engine(model: str | None, engine_options: dict):
 
 
 def _serve_cluster(model, served_model_name, host, port, log_level, prefill_workers, decode_workers, policy,
-                   cluster_file, name, role, etcd, engine_options) -> None:
+                   cluster_file, name, role, etcd, engine_options, settings) -> None:
     import asyncio
     import logging
     import signal
     import threading
 
+    from dataclasses import replace
+
+    from nebula_engine.cluster.auth import SecretError
     from nebula_engine.cluster.launcher import LocalCluster, local_spec
-    from nebula_engine.cluster.peer import ClusterSpec, Peer
+    from nebula_engine.cluster.peer import Peer
+    from nebula_engine.cluster.spec import ClusterSpec
     from nebula_engine.config import DEFAULT_MODEL, resolve_model
 
     options = {k: v for k, v in engine_options.items() if v is not None}
@@ -123,19 +164,24 @@ def _serve_cluster(model, served_model_name, host, port, log_level, prefill_work
             raise click.UsageError("--cluster needs --name (this peer's name in the spec)")
         try:
             spec = ClusterSpec.from_json(cluster_file.read_text())
+            spec = replace(spec, etcd=etcd) if etcd else spec
             peer = spec.peer(name)
         except (ValueError, KeyError, TypeError) as exc:
             raise click.UsageError(f"bad cluster spec {cluster_file}: {exc}") from exc
         if role is not None and role != peer.role:
             raise click.UsageError(f"--role {role} but {name} is a {peer.role} peer in {cluster_file}")
         logging.basicConfig(level=log_level.upper())
-        asyncio.run(Peer(spec, name, options, model, served_model_name or model).run())
+        try:
+            runner = Peer(spec, name, options, model, served_model_name or model, settings)
+        except SecretError as exc:
+            raise click.UsageError(str(exc)) from exc
+        asyncio.run(runner.run())
         return
     try:
         spec = local_spec(prefill_workers, decode_workers, host, port, policy, etcd)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
-    cluster = LocalCluster(model, spec, options, served_model_name or model, log_level=log_level)
+    cluster = LocalCluster(model, spec, options, served_model_name or model, log_level=log_level, settings=settings)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -1,5 +1,7 @@
 """A real cluster on 127.0.0.1: one process per peer, tiny model, NIXL between peers, Raft election.
 
+One cluster for the module (with an API key): PIC reuse across peers, bad input, and the cluster as an outsider on
+the network sees it (only loopback listeners, nothing unpickled, forged control messages dropped quietly).
 Processes are started by ``LocalCluster`` and stopped by it (by pid) in the fixtures' finalizers.
 """
 
@@ -9,27 +11,38 @@ import json
 import random
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
+import zmq
 
 from nebula_engine import LLM
+from nebula_engine.cluster import wire
+from nebula_engine.cluster.auth import FrameSealer, new_secret
 from nebula_engine.cluster.launcher import LocalCluster, local_spec
+from nebula_engine.cluster.spec import PeerSettings
 from nebula_engine.cluster.transfer import nixl_available
 from nebula_engine.engine.sampling_params import SamplingParams
+from tests.cluster.probes import listening_sockets, payloads, send_to_all
 from tests.model_cases import CASES_BY_NAME, checkpoint_factory  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed")
 
 ENGINE = {"page_size": 4, "num_pages": 1024}
 MAX_TOKENS = 6
+API_KEY = "test-api-key-0123456789"
 
 
-def post(url: str, path: str, body: dict, timeout: float = 120.0) -> tuple[int, dict]:
-    request = urllib.request.Request(url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+def post(url: str, path: str, body: dict | None, timeout: float = 120.0, key: str | None = API_KEY
+         ) -> tuple[int, dict]:
+    """POST ``body`` (GET when None) with the API key (a cluster without one ignores it); (status, JSON body)."""
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    request = urllib.request.Request(url + path, data=None if body is None else json.dumps(body).encode(),
+                                     headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status, json.loads(response.read())
+            raw = response.read()
+            return response.status, json.loads(raw) if path.startswith("/v1/") else {}
     except urllib.error.HTTPError as error:
         return error.code, json.loads(error.read() or b"{}")
 
@@ -56,8 +69,9 @@ def model_dir(checkpoint_factory):
 
 @pytest.fixture(scope="module")
 def cluster(model_dir, tmp_path_factory):
-    """2 prefill + 1 decode peers, nebula policy."""
-    with LocalCluster(model_dir, local_spec(2, 1), ENGINE, log_dir=tmp_path_factory.mktemp("logs")) as running:
+    """2 prefill + 1 decode peers, nebula policy, an API key."""
+    with LocalCluster(model_dir, local_spec(2, 1), ENGINE, log_dir=tmp_path_factory.mktemp("logs"),
+                      settings=PeerSettings(api_key=API_KEY)) as running:
         yield running
 
 
@@ -100,7 +114,7 @@ def test_cold_segments_of_one_request_are_prefilled_on_several_peers(cluster, mo
 def test_openai_client_streams_a_chat_with_pic_tags(cluster, model_dir):
     import openai
 
-    client = openai.OpenAI(base_url=cluster.urls["prefill-1"] + "/v1", api_key="unused")
+    client = openai.OpenAI(base_url=cluster.urls["prefill-1"] + "/v1", api_key=API_KEY)
     stream = client.chat.completions.create(
         model=model_dir, stream=True, max_tokens=MAX_TOKENS, temperature=0,
         messages=[{"role": "user", "content": "Read <pic>the owl document</pic> and <pic>the cat one</pic>. Owls?"}])
@@ -123,3 +137,81 @@ def test_bad_input_gets_a_400_and_the_cluster_keeps_serving(cluster, model_dir, 
     status, ok = post(cluster.urls["prefill-0"], "/v1/completions",
                       {"model": model_dir, "prompt": "hello there", "max_tokens": 2})
     assert status == 200 and ok["usage"]["completion_tokens"] == 2
+
+
+def serves(cluster: LocalCluster, model: str, peer: str = "prefill-0") -> bool:
+    status, body = post(cluster.urls[peer], "/v1/completions", {"model": model, "prompt": "hello", "max_tokens": 2})
+    return status == 200 and body["usage"]["completion_tokens"] == 2
+
+
+def test_every_listener_of_every_peer_is_on_loopback(cluster):
+    for name, process in cluster.processes.items():
+        sockets = listening_sockets(process.pid)
+        peer = cluster.spec.peer(name)
+        assert {peer.ctrl_port, peer.raft_port, peer.http_port} <= {port for _, port in sockets}
+        assert len(sockets) >= 4, sockets  # HTTP, control, Raft and UCX's own
+        assert all(address == "127.0.0.1" for address, _ in sockets), (name, sockets)
+
+
+def test_secrets_are_not_on_any_command_line(cluster):
+    for process in cluster.processes.values():
+        command_line = Path(f"/proc/{process.pid}/cmdline").read_bytes()
+        assert cluster.settings.cluster_secret.encode() not in command_line
+        assert API_KEY.encode() not in command_line
+        assert cluster.settings.cluster_secret.encode() in Path(f"/proc/{process.pid}/environ").read_bytes()
+
+
+def test_a_pickle_sent_to_every_listening_port_runs_nothing(cluster, model_dir, tmp_path):
+    marker = tmp_path / "ran"
+    ports = {port for process in cluster.processes.values() for _, port in listening_sockets(process.pid)}
+    send_to_all("127.0.0.1", sorted(ports), payloads(marker, "127.0.0.1"))
+    assert not marker.exists()
+    assert all(process.poll() is None for process in cluster.processes.values())
+    assert serves(cluster, model_dir)
+
+
+def test_forged_control_messages_are_dropped_with_a_line_per_reason(cluster, model_dir):
+    target = cluster.spec.peer("prefill-0")
+    assert "prefill-1" in cluster.state("prefill-0")["nixl_peers"]
+    log = cluster.log_dir / "prefill-0.log"
+    log_size = log.stat().st_size
+    dropped = cluster.state("prefill-0")["dropped_frames"]
+    forged = wire.encode(wire.Hello(sender="prefill-1", role="prefill", worker_index=1, nixl_metadata=b"junk"))
+    context = zmq.Context()
+    try:
+        socket = context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 2000)
+        socket.connect(target.ctrl_address)
+        for _ in range(100):
+            socket.send(forged)  # unsealed
+            socket.send(FrameSealer("prefill-1", new_secret()).seal("prefill-0", forged))  # another secret
+            socket.send(b"\x93\x01\x02")  # garbage
+        socket.close()
+    finally:
+        context.term()
+    cluster.wait_until(lambda: cluster.state("prefill-0")["dropped_frames"] >= dropped + 300, 30,
+                       "prefill-0 to drop the forged frames")
+    assert "prefill-1" in cluster.state("prefill-0")["nixl_peers"]
+    grown = log.read_text(errors="replace")[log_size:]
+    assert "Traceback" not in grown and len(grown) < 2000, grown
+    # the peer prefill-0 still reads KV from prefill-1: a segment cached there is reused on prefill-0
+    system, docs = [71] * 8, documents(seed=70, count=2)
+    status, _ = post(cluster.urls["decode-0"], "/v1/completions",
+                     completion(model_dir, rag_segments(system, docs, [72]), prefill_peer="prefill-1"))
+    assert status == 200
+    before = cluster.state("prefill-0")["transfer_bytes"]
+    status, body = post(cluster.urls["decode-0"], "/v1/completions",
+                        completion(model_dir, rag_segments([73] * 8, docs, [72]), prefill_peer="prefill-0"))
+    assert status == 200 and body["usage"]["nebula"]["pic_cached_tokens"] == 48
+    assert cluster.state("prefill-0")["transfer_bytes"] > before
+
+
+def test_every_peer_wants_the_api_key_on_v1_but_not_on_health_and_metrics(cluster, model_dir):
+    body = {"model": model_dir, "prompt": "hello", "max_tokens": 2}
+    for name, url in cluster.urls.items():
+        status, error = post(url, "/v1/completions", body, key=None)
+        assert status == 401 and error["error"]["code"] == "invalid_api_key", (name, error)
+        assert post(url, "/v1/models", None, key="wrong-key")[0] == 401
+        assert post(url, "/health", None, key=None)[0] == 200
+        assert post(url, "/metrics", None, key=None)[0] == 200
+    assert serves(cluster, model_dir, "decode-0")

@@ -7,10 +7,15 @@ from __future__ import annotations
 
 import json
 import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
 
 import pytest
 
 from nebula_engine.cluster.launcher import LocalCluster, local_spec
+from nebula_engine.cluster.spec import PeerSettings
 from nebula_engine.cluster.transfer import nixl_available
 from tests.cluster.test_cluster_e2e import ENGINE, completion, documents, post, rag_segments
 from tests.model_cases import CASES_BY_NAME, checkpoint_factory  # noqa: F401  (fixture)
@@ -102,15 +107,107 @@ def test_a_cluster_starts_warm_from_an_offline_prefilled_corpus(model_dir, tmp_p
         assert cluster.state("prefill-0")["pic"]["segment_misses"] == 0  # all three came from the disk tier
 
 
+@dataclass
+class Stream:
+    """One streaming completion read on its own thread: the text deltas, the last chunk, how it ended."""
+
+    url: str
+    body: dict
+    pieces: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: dict | None = None
+    error: str | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def start(self, stall_timeout_s: float = 60.0) -> Stream:
+        threading.Thread(target=self._read, args=(stall_timeout_s,), daemon=True).start()
+        return self
+
+    def _read(self, stall_timeout_s: float) -> None:
+        body = {**self.body, "stream": True, "stream_options": {"include_usage": True}}
+        request = urllib.request.Request(self.url + "/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=stall_timeout_s) as response:  # a stall is a hang
+                for line in response:
+                    self._on_line(line.decode().strip())
+        except Exception as error:  # noqa: BLE001  (reported by the test's assertions)
+            self.error = self.error or repr(error)
+        finally:
+            self.done.set()
+
+    def _on_line(self, line: str) -> None:
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            return
+        chunk = json.loads(line[len("data: "):])
+        if "error" in chunk:
+            self.error = chunk["error"]["message"]
+        for choice in chunk.get("choices") or []:
+            self.pieces.append(choice["text"])
+            self.finish_reason = choice["finish_reason"] or self.finish_reason
+        self.usage = chunk.get("usage") or self.usage
+
+
+def wait_streaming(streams: list[Stream], pieces: int, cluster: LocalCluster) -> None:
+    cluster.wait_until(lambda: all(len(s.pieces) >= pieces or s.done.is_set() for s in streams), 120,
+                       f"every stream to show {pieces} pieces")
+
+
 def test_requests_survive_losing_their_decode_peer(model_dir, tmp_path):
-    """decode-0 is the decode peer the router picks first; for ~3 s after it dies the router still picks it.
-    The prefill home then decodes those requests itself, under a new attempt."""
+    """Requests decoding on decode-0 when it is killed continue elsewhere from the tokens they streamed. Then, for
+    ~3 s after it died, the router still picks decode-0: new requests it hands off there are run again too."""
     with LocalCluster(model_dir, local_spec(2, 2), ENGINE, log_dir=tmp_path / "logs") as cluster:
+        long = [completion(model_dir, rag_segments([81 + i] * 8, documents(300 + i, 2), [82]), max_tokens=1200)
+                for i in range(3)]
+        streams = [Stream(cluster.urls["prefill-1"], body).start() for body in long]
+        wait_streaming(streams, 3, cluster)
+        assert not any(s.done.is_set() for s in streams), "the streams ended before the kill: make them longer"
         cluster.stop_peer("decode-0", kill=True)
         bodies = [completion(model_dir, rag_segments([61 + i] * 8, documents(200 + i, 2), [62]), max_tokens=5)
                   for i in range(3)]
         results, threads = run_concurrently(cluster.urls["prefill-1"], bodies)
         for thread in threads:
             thread.join()
+        for stream in streams:
+            assert stream.done.wait(180), "a stream hangs"
         assert [status for status, _ in results] == [200] * 3, results
         assert all(body["usage"]["completion_tokens"] == 5 for _, body in results)
+        for stream in streams:
+            assert stream.error is None and stream.finish_reason == "length", stream
+            assert stream.usage["completion_tokens"] == 1200  # counted over every attempt: none lost or doubled
+        assert cluster.state("prefill-1")["resubmitted"] >= 3
+
+
+def test_a_peer_cut_off_from_the_majority_says_so_and_fails_requests_fast(model_dir, tmp_path):
+    """2 of 3 peers die (the leader among them): the survivor stops naming a leader, /health answers 503, a new
+    request fails at once, and a stream it was relaying from a dead peer ends with an error, not a hang."""
+    with LocalCluster(model_dir, local_spec(2, 1), ENGINE, log_dir=tmp_path / "logs") as cluster:
+        leader = cluster.leader()
+        survivor = next(name for name in cluster.urls if name != leader)
+        other = next(name for name in cluster.urls if name not in (leader, survivor))
+        url = cluster.urls[survivor]
+        body = completion(model_dir, rag_segments([91] * 8, documents(400, 2), [92]), max_tokens=1500,
+                          prefill_peer=leader if leader.startswith("prefill") else other)
+        stream = Stream(url, body).start()
+        wait_streaming([stream], 3, cluster)
+        cluster.stop_peer(leader, kill=True)
+        cluster.stop_peer(other, kill=True)
+        cluster.wait_until(lambda: health(url) == 503, 30, f"{survivor} to report itself unhealthy")
+        started = time.monotonic()
+        status, error = post(url, "/v1/completions", {"model": model_dir, "prompt": "hello", "max_tokens": 2},
+                             timeout=30)
+        assert status == 503 and "majority" in error["error"]["message"], error
+        assert time.monotonic() - started < PeerSettings().failover_timeout_s  # refused, not waited out
+        assert stream.done.wait(60), "the stream from a dead peer hangs"
+        assert stream.error is not None and stream.finish_reason is None
+        assert cluster.state(survivor)["leader"] is None and cluster.state(survivor)["quorum"] is False
+
+
+def health(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=5) as response:
+            return response.status
+    except urllib.error.HTTPError as error:
+        return error.code
+    except OSError:
+        return 0

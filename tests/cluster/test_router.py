@@ -73,7 +73,7 @@ def test_store_events_make_a_remote_copy_reusable(router):
     assert not any(isinstance(m, wire.Scatter) for _, m in sent)
 
 
-def test_a_silent_home_gets_its_requests_planned_again_elsewhere(router):
+def test_a_silent_home_has_its_requests_reported_lost_and_the_front_end_plans_them_again_elsewhere(router):
     service, sent, clock = router
     service.on_submit(submit("r3", [[30] * 10], route="prefill-1"))
     first = next(m for peer, m in sent if isinstance(m, wire.Combine))
@@ -84,12 +84,22 @@ def test_a_silent_home_gets_its_requests_planned_again_elsewhere(router):
         service.seen(peer)
     clock.now += service.dead_after_s
     assert service.check_liveness() == ["prefill-1"]
-    replanned = next(m for _, m in sent if isinstance(m, wire.Replanned))
+    [(frontend, lost)] = sent
+    assert frontend == "decode-0" and isinstance(lost, wire.Failed) and lost.resumable
+    assert lost.attempt == first.attempt and "prefill-1" in lost.message and "r3" not in service.in_flight
+    sent.clear()
+    service.on_submit(submit("r3", [[30] * 10], attempt=first.attempt + 1, route="prefill-1"))  # the front end's retry
     combine_peer, combine = next((p, m) for p, m in sent if isinstance(m, wire.Combine))
-    assert replanned.attempt == combine.attempt == first.attempt + 1
-    assert combine_peer == "prefill-0" and combine.sources == []
+    assert combine_peer == "prefill-0" and combine.attempt == first.attempt + 1 and combine.sources == []
     service.on_task_done(wire.TaskDone(sender="prefill-0", worker_index=0, task_id=combine.task_id, request_id="r3"))
     assert "r3" not in service.in_flight
+
+
+def test_a_router_that_does_not_lead_refuses_submissions(router):
+    service, sent, _ = router
+    service.deactivate()
+    service.on_submit(submit("r4", [[40] * 10]))
+    assert sent == [("decode-0", wire.NotLeader(sender="prefill-0", request_id="r4", attempt=0))]
 
 
 def test_a_snapshot_replaces_what_the_router_knew_of_a_worker(router):

@@ -1,0 +1,131 @@
+"""What a cluster is made of (``ClusterSpec``: its peers and where each one listens) and how one peer runs beyond
+that (``PeerSettings``: secrets, etcd access, failure bounds).
+
+Every listener of a peer (control ZMQ, Raft, NIXL/UCX) binds to its ``host``; its HTTP API binds to
+``http_host`` (default: ``host``), so a local cluster can expose its API while everything else stays on
+loopback. A spec whose hosts are not all loopback addresses spans machines, and then its peers need the
+cluster secret (``check_secured``).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+import socket
+from dataclasses import asdict, dataclass, field
+
+from nebula_engine.cluster.auth import SECRET_ENV, SecretError
+from nebula_engine.cluster.election import EtcdAccess
+from nebula_engine.cluster.liveness import DEFAULT_DEAD_AFTER_S, DEFAULT_FAILOVER_TIMEOUT_S
+from nebula_engine.server.limits import DEFAULT_MAX_REQUEST_BYTES
+
+logger = logging.getLogger(__name__)
+
+POLICIES = ("pc", "local-pic", "nebula")
+API_KEY_ENV = "NEBULA_API_KEY"
+
+
+@dataclass(frozen=True)
+class PeerSpec:
+    name: str
+    role: str  # "prefill" | "decode"
+    host: str
+    ctrl_port: int
+    raft_port: int
+    http_port: int
+    worker_index: int  # 0..N-1 for prefill peers, -1 for decode peers
+    http_host: str = ""  # "" = host
+
+    @property
+    def ctrl_address(self) -> str:
+        return f"tcp://{self.host}:{self.ctrl_port}"
+
+    @property
+    def api_host(self) -> str:
+        return self.http_host or self.host
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.api_host}:{self.http_port}"
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    peers: tuple[PeerSpec, ...]
+    policy: str = "nebula"
+    etcd: str | None = None  # "host:port": etcd leases instead of the embedded Raft election
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown cluster policy {self.policy!r}; choose from {POLICIES}")
+        if not any(p.role == "prefill" for p in self.peers):
+            raise ValueError("a cluster needs at least one prefill peer")
+        if len({p.name for p in self.peers}) != len(self.peers):
+            raise ValueError("peer names must be unique")
+
+    @property
+    def prefill_peers(self) -> list[PeerSpec]:
+        return sorted((p for p in self.peers if p.role == "prefill"), key=lambda p: p.worker_index)
+
+    @property
+    def decode_peers(self) -> list[PeerSpec]:
+        return [p for p in self.peers if p.role == "decode"]
+
+    @property
+    def spans_machines(self) -> bool:
+        """Some peer's internal listeners are on an address other machines can reach."""
+        return not all(is_loopback(p.host) for p in self.peers)
+
+    def peer(self, name: str) -> PeerSpec:
+        for spec in self.peers:
+            if spec.name == name:
+                return spec
+        raise ValueError(f"no peer named {name!r} in the cluster spec; peers: {[p.name for p in self.peers]}")
+
+    def to_json(self) -> str:
+        return json.dumps({"policy": self.policy, "etcd": self.etcd, "peers": [asdict(p) for p in self.peers]})
+
+    @classmethod
+    def from_json(cls, text: str) -> ClusterSpec:
+        data = json.loads(text)
+        return cls(tuple(PeerSpec(**p) for p in data["peers"]), data.get("policy", "nebula"), data.get("etcd"))
+
+
+@dataclass(frozen=True)
+class PeerSettings:
+    """What a peer needs beyond the spec. Secrets never appear in a repr."""
+
+    cluster_secret: str | None = field(default=None, repr=False)
+    api_key: str | None = field(default=None, repr=False)  # clients' ``Authorization: Bearer`` for /v1/*
+    etcd_access: EtcdAccess = EtcdAccess()
+    peer_timeout_s: float = DEFAULT_DEAD_AFTER_S  # silence after which a peer counts as dead
+    failover_timeout_s: float = DEFAULT_FAILOVER_TIMEOUT_S  # a request whose peer died is re-run or failed by then
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # a larger HTTP body is a 413
+
+    def __post_init__(self) -> None:
+        if self.peer_timeout_s <= 0:
+            raise ValueError(f"--peer-timeout must be positive, got {self.peer_timeout_s}")
+        if self.failover_timeout_s <= self.peer_timeout_s:
+            raise ValueError(f"--failover-timeout ({self.failover_timeout_s} s) must exceed --peer-timeout "
+                             f"({self.peer_timeout_s} s): a request is only re-run once its peer is known dead")
+
+
+def check_secured(spec: ClusterSpec, settings: PeerSettings) -> None:
+    """Refuse a cluster spanning machines without a secret; warn about an unauthenticated loopback one."""
+    if settings.cluster_secret:
+        return
+    if spec.spans_machines:
+        raise SecretError(f"this cluster spans machines (hosts {sorted({p.host for p in spec.peers})}), so its peers "
+                          f"must authenticate each other: give every peer the same --cluster-secret-file, or "
+                          f"${SECRET_ENV}, or --cluster-secret")
+    logger.warning("no cluster secret: Raft and control messages are unauthenticated, so any local user can "
+                   "reach this cluster (set $%s)", SECRET_ENV)
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except socket.gaierror:
+        return False
+    return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
