@@ -31,6 +31,7 @@ pytestmark = pytest.mark.skipif(not nixl_available(), reason="NIXL is not instal
 ENGINE = {"page_size": 4, "num_pages": 1024}
 MAX_TOKENS = 6
 API_KEY = "test-api-key-0123456789"
+MAX_REQUEST_BYTES = 64 * 1024  # far above every request these tests send
 
 
 def post(url: str, path: str, body: dict | None, timeout: float = 120.0, key: str | None = API_KEY
@@ -69,9 +70,9 @@ def model_dir(checkpoint_factory):
 
 @pytest.fixture(scope="module")
 def cluster(model_dir, tmp_path_factory):
-    """2 prefill + 1 decode peers, nebula policy, an API key."""
+    """2 prefill + 1 decode peers, nebula policy, an API key, a small request-body limit."""
     with LocalCluster(model_dir, local_spec(2, 1), ENGINE, log_dir=tmp_path_factory.mktemp("logs"),
-                      settings=PeerSettings(api_key=API_KEY)) as running:
+                      settings=PeerSettings(api_key=API_KEY, max_request_bytes=MAX_REQUEST_BYTES)) as running:
         yield running
 
 
@@ -204,6 +205,14 @@ def test_forged_control_messages_are_dropped_with_a_line_per_reason(cluster, mod
                         completion(model_dir, rag_segments([73] * 8, docs, [72]), prefill_peer="prefill-0"))
     assert status == 200 and body["usage"]["nebula"]["pic_cached_tokens"] == 48
     assert cluster.state("prefill-0")["transfer_bytes"] > before
+
+
+def test_every_peer_refuses_a_body_over_the_limit_with_413(cluster, model_dir):
+    body = {"model": model_dir, "prompt": "x" * MAX_REQUEST_BYTES, "max_tokens": 2}
+    for name, url in cluster.urls.items():
+        status, error = post(url, "/v1/completions", body)
+        assert status == 413, (name, status, error)
+    assert serves(cluster, model_dir, "prefill-1")
 
 
 def test_every_peer_wants_the_api_key_on_v1_but_not_on_health_and_metrics(cluster, model_dir):

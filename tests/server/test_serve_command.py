@@ -1,4 +1,4 @@
-"""``serve``'s security flags are refused when they cannot take effect, before any model is loaded."""
+"""``serve``'s security flags: refused when empty, before any model is loaded; handed to every peer of a cluster."""
 
 from click.testing import CliRunner
 
@@ -10,8 +10,16 @@ def test_an_empty_api_key_is_an_error_not_an_open_server():
     assert result.exit_code == 2 and "API key is empty" in result.output
 
 
-def test_a_cluster_refuses_security_flags_it_would_not_apply():
-    result = CliRunner().invoke(serve, ["--prefill-workers", "2", "--api-key", "k"])
-    assert result.exit_code == 2 and "not passed to cluster peers" in result.output
-    result = CliRunner().invoke(serve, ["--prefill-workers", "2", "--max-request-bytes", "10"])
-    assert result.exit_code == 2 and "not passed to cluster peers" in result.output
+def test_a_cluster_hands_its_security_flags_to_every_peer():
+    from nebula_engine.cluster.launcher import LocalCluster, local_spec
+    from nebula_engine.server.commands import _peer_settings
+
+    settings = _peer_settings("k", 1234, None, None, 3.0, 10.0, None, None, None, None)
+    assert settings.api_key == "k" and settings.max_request_bytes == 1234
+    cluster = LocalCluster("/nonexistent", local_spec(1, 0), settings=settings)
+    try:
+        args = cluster._settings_args()
+        assert args[args.index("--max-request-bytes") + 1] == "1234"
+        assert cluster._peer_env()["NEBULA_API_KEY"] == "k"
+    finally:
+        cluster.stop()
