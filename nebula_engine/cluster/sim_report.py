@@ -30,6 +30,7 @@ class Counters:
 
     input_tokens: int = 0
     hit_tokens: int = 0
+    host_hit_tokens: int = 0  # hits read back from a worker's host tier
     invalid_hit_tokens: int = 0
     repeated_tokens: int = 0
     transferred_bytes: int = 0
@@ -49,6 +50,7 @@ class SimulationReport:
     ttft_p99_s: float
     ttft_mean_s: float
     cache_hit_ratio: float  # token-weighted
+    host_hit_tokens: int
     invalid_hit_tokens: int
     repeated_tokens: int
     transferred_bytes: int  # KV moved between prefill workers (the decode handoff is not counted)
@@ -68,6 +70,7 @@ class SimulationReport:
                    ttft_p99_s=percentile(ttfts, 99),
                    ttft_mean_s=sum(ttfts) / len(ttfts) if ttfts else math.nan,
                    cache_hit_ratio=counters.hit_tokens / inputs if inputs else 0.0,
+                   host_hit_tokens=counters.host_hit_tokens,
                    invalid_hit_tokens=counters.invalid_hit_tokens, repeated_tokens=counters.repeated_tokens,
                    transferred_bytes=counters.transferred_bytes,
                    compute_cv=coefficient_of_variation(counters.computed_tokens),
