@@ -403,8 +403,9 @@ class Simulator:
             for waiter in self.producing_pc.pop((worker, key), []):
                 waiter(now)
         self._emit(worker, lambda s: DoneEvent(worker, s, plan.combine_task_id), now)
-        handed = self.links.transfer(worker, self.cluster.decode_worker, keys.total_tokens * self.profile.kv_bytes_per_token,
-                                     now)
+        handoff_bytes = keys.total_tokens * self.profile.kv_bytes_per_token
+        self._count(state, "handoff_bytes", handoff_bytes)
+        handed = self.links.transfer(worker, self.cluster.decode_worker, handoff_bytes, now)
         self.at(handed, lambda t: self.caches[worker].unpin(work.pinned))
         first_token = handed if self.config.ttft_includes_handoff else now
         self.last_completion = max(self.last_completion, first_token)

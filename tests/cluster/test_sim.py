@@ -4,7 +4,8 @@ import pytest
 
 from builders import rag_requests, request
 from nebula_engine.cluster.config import ClusterConfig
-from nebula_engine.cluster.sim import SimulationConfig, simulate
+from nebula_engine.cluster.messages import Action, CacheKind
+from nebula_engine.cluster.sim import SimulationConfig, Simulator, simulate
 from nebula_engine.cluster.sim_report import coefficient_of_variation, percentile
 from nebula_engine.workloads import load_workload, reuse_stats
 from nebula_engine.workloads.registry import WorkloadDataMissing
@@ -148,3 +149,23 @@ def test_host_tier_serves_hits_the_device_evicted():
                              qps=5.0), requests)
     assert device_only.host_hit_tokens == 0 < tiered.host_hit_tokens
     assert tiered.cache_hit_ratio > device_only.cache_hit_ratio
+
+
+def test_fetched_segments_are_stored_at_the_home_and_reported():
+    """Point 4: a segment read from another worker lands in the home's store, and the view learns it."""
+    simulator = Simulator(config(qps=5.0), rag_requests(150))
+    plans, plan = [], simulator.control.on_request
+    simulator.control.on_request = lambda *args, **kwargs: plans.append(plan(*args, **kwargs)) or plans[-1]
+    simulator.run()
+    fetched = {(s.key, d.plan.combine_home) for d in plans for s in d.plan.segments
+               if s.action is Action.REUSE and s.worker != d.plan.combine_home}
+    assert len(fetched) > 10
+    for key, home in fetched:
+        assert simulator.caches[home].has(CacheKind.PIC, key)
+        assert simulator.control.view.holders(CacheKind.PIC, key, now=1e9)[home].confirmed
+
+
+def test_running_requests_hold_device_space_until_their_hand_off():
+    simulator = Simulator(small_cache(100_000, qps=1000.0), rag_requests(20))
+    simulator.run()
+    assert all(cache.device.pinned == 0 for cache in simulator.caches)  # every pin released at the end
