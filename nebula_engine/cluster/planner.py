@@ -167,20 +167,26 @@ def supplied_by_source(hits: Sequence[Hit], costs: TransferCosts) -> tuple[np.nd
             single[TIER_INDEX[tier]][src] += hit.num_tokens
         else:
             multi.append(hit)
-    rows = [single] if not multi else [add_hits(single, multi, home, costs)
-                                       for home in range(costs.num_workers)]
-    return summarise_rows(np.array(rows, dtype=np.int64), costs)
+    rows = np.array([single], dtype=np.int64) if not multi else rows_per_home(single, multi, costs)
+    return summarise_rows(rows, costs)
 
 
-def add_hits(base: list[list[int]], hits: Sequence[Hit], home: int,
-             costs: TransferCosts) -> list[list[int]]:
-    """``base`` ([tier][source] tokens) plus ``hits``, each read from the copy ``home`` would use."""
-    by_tier = [list(tokens) for tokens in base]
-    for hit in hits:
-        src = hit_source(hit, home, costs)
-        tier = next(t for w, t in hit.holders if w == src)
-        by_tier[TIER_INDEX[tier]][src] += hit.num_tokens
-    return by_tier
+def rows_per_home(single: list[list[int]], hits: Sequence[Hit], costs: TransferCosts) -> np.ndarray:
+    """[home, tier, source] tokens: ``single`` plus every multi-copy hit read from the copy ``hit_source`` picks
+    for that home (the same keys in the same order: cost, then the home's own copy, then the lowest id)."""
+    hit_ids = np.array([i for i, hit in enumerate(hits) for _ in hit.holders], dtype=np.int64)
+    workers = np.array([w for hit in hits for w, _ in hit.holders], dtype=np.int64)
+    tiers = np.array([TIER_INDEX[t] for hit in hits for _, t in hit.holders], dtype=np.int64)
+    tier_cost = np.array([costs.tier_cost[TIERS[t]] for t in tiers], dtype=np.float64)
+    tokens = np.array([hit.num_tokens for hit in hits for _ in hit.holders], dtype=np.int64)
+    rows = np.repeat(np.array([single], dtype=np.int64), costs.num_workers, axis=0)
+    for home in range(costs.num_workers):
+        cost = costs.matrix[home, workers] + tier_cost
+        order = np.lexsort((workers, workers != home, cost, hit_ids))  # by hit, then hit_source's key
+        ordered = hit_ids[order]
+        first = order[np.concatenate(([True], ordered[1:] != ordered[:-1]))]
+        np.add.at(rows[home], (tiers[first], workers[first]), tokens[first])
+    return rows
 
 
 def summarise_rows(by_tier: np.ndarray, costs: TransferCosts) -> tuple[np.ndarray, np.ndarray]:

@@ -184,6 +184,9 @@ class ClusterView:
             self._add(event.kind, event.key, event.worker,
                       HolderRecord(event.num_tokens, event.tier, True, float("inf")))
             return
+        if record.tier is event.tier:  # the common case: an expected device copy confirmed
+            record.confirmed, record.num_tokens = True, event.num_tokens
+            return
         before = self._tiers(event.kind, event.key)
         record.confirmed, record.tier, record.num_tokens = True, event.tier, event.num_tokens
         self._announce(event.kind, event.key, before, record.num_tokens)
@@ -203,9 +206,16 @@ class ClusterView:
             self._listener(kind, key, tier, True, num_tokens)
 
     def _add(self, kind: CacheKind, key: str, worker: int, record: HolderRecord) -> None:
-        before = self._tiers(kind, key)
-        self._holders[kind].setdefault(key, {})[worker] = record
-        self._announce(kind, key, before, record.num_tokens)
+        records = self._holders[kind].setdefault(key, {})
+        if worker in records:  # a replaced record may take its tier away: compare the whole sets
+            before = self._tiers(kind, key)
+            records[worker] = record
+            self._announce(kind, key, before, record.num_tokens)
+            return
+        first_here = self._listener is not None and all(r.tier is not record.tier for r in records.values())
+        records[worker] = record
+        if first_here:
+            self._listener(kind, key, record.tier, True, record.num_tokens)
 
     def _remove(self, kind: CacheKind, key: str, worker: int) -> None:
         model = self._lru_model[worker]
@@ -214,11 +224,11 @@ class ClusterView:
         records = self._holders[kind].get(key)
         if not records or worker not in records:
             return
-        before = self._tiers(kind, key)
         record = records.pop(worker)
         if not records:
             del self._holders[kind][key]
-        self._announce(kind, key, before, record.num_tokens)
+        if self._listener is not None and all(r.tier is not record.tier for r in records.values()):
+            self._listener(kind, key, record.tier, False, record.num_tokens)
 
     def _touch_model(self, kind: CacheKind, key: str, worker: int, tokens: int) -> None:
         """The optimistic strawman's guess of worker eviction: plain LRU over a known capacity."""
