@@ -342,35 +342,40 @@ class Simulator:
     def _combine_work(self, state: RequestState) -> CombineWork:
         """The home engine's own match of the request against its cache (no side effects)."""
         keys, cache = state.keys, self.caches[state.plan.combine_home]
-        depth, host = 0, 0
-        while depth < len(keys.pc_keys) and (tier := cache.tier_of(CacheKind.PC, keys.pc_keys[depth])) is not None:
-            host += keys.tokens[depth] if tier is Tier.HOST else 0
+        depth = 0
+        while depth < len(keys.pc_keys) and cache.tier_of(CacheKind.PC, keys.pc_keys[depth]) is not None:
             depth += 1
         prefix = keys.prefix_tokens(depth)
-        work = CombineWork([], [], [], prefix, host, keys.total_tokens - prefix)
-        work.promoted = [(CacheKind.PC, keys.pc_keys[i], keys.tokens[i]) for i in range(depth)
-                         if cache.tier_of(CacheKind.PC, keys.pc_keys[i]) is Tier.HOST]
+        work = CombineWork([], [], [], prefix, 0, keys.total_tokens - prefix)
+        for i in range(depth):
+            if cache.tier_of(CacheKind.PC, keys.pc_keys[i]) is Tier.HOST:
+                work.host_tokens += keys.tokens[i]
+                work.promoted.append((CacheKind.PC, keys.pc_keys[i], keys.tokens[i]))
         pic = set(keys.pic_indices) if self.uses_pic else set()
-        regular, reused, seen = 0, 0, set()
+        seen: set[str] = set()
         for i in range(depth, len(keys.tokens)):
-            content, tokens = keys.content_ids[i], keys.tokens[i]
-            if i not in pic:
-                regular += tokens
-                continue
-            reused += tokens
-            tier = None if content in seen else cache.tier_of(CacheKind.PIC, content)
-            if content in seen or (tier is not None and content not in state.computed_for_it):
-                work.hit_tokens += tokens
-            elif tier is None:
-                work.cold.append((content, tokens))
-                work.sequences.append((tokens, 0.0))
-            if tier is Tier.HOST:
-                work.host_tokens += tokens
-                work.promoted.append((CacheKind.PIC, content, tokens))
-            seen.add(content)
-        combine = regular + self.profile.combine_ratio * reused
-        work.sequences.append((combine, keys.total_tokens - regular))
+            if i in pic:
+                self._segment_work(state, keys.content_ids[i], keys.tokens[i], seen, work)
+        regular = sum(keys.tokens[i] for i in range(depth, len(keys.tokens)) if i not in pic)
+        reused = sum(keys.tokens[i] for i in range(depth, len(keys.tokens)) if i in pic)
+        work.sequences.append((regular + self.profile.combine_ratio * reused, keys.total_tokens - regular))
         return work
+
+    def _segment_work(self, state: RequestState, content: str, tokens: int, seen: set[str], work: CombineWork) -> None:
+        """One PIC segment past the prefix: reused from the home's store (a host copy promoted), or, cold,
+        prefilled alone in the combine's forward. An earlier copy in the request counts as a hit, as in the
+        reuse analysis; a segment scatter-prefilled for this very request does not."""
+        tier = None if content in seen else self.caches[state.plan.combine_home].tier_of(CacheKind.PIC, content)
+        hit = content in seen or (tier is not None and content not in state.computed_for_it)
+        if hit:
+            work.hit_tokens += tokens
+        elif tier is None:
+            work.cold.append((content, tokens))
+            work.sequences.append((tokens, 0.0))
+        if tier is Tier.HOST:
+            work.host_tokens += tokens if hit else 0
+            work.promoted.append((CacheKind.PIC, content, tokens))
+        seen.add(content)
 
     def _admit_combine(self, worker: int, state: RequestState, work: CombineWork, now: float) -> float:
         """Apply the admission's side effects; returns the seconds spent loading host copies."""
@@ -380,8 +385,8 @@ class Simulator:
             if cache.tier_of(kind, key) is Tier.HOST:
                 load_end = max(load_end, self._promote(worker, kind, key, tokens, now))
             elif not cache.has(kind, key):  # an earlier promotion pushed it off the host: recompute it
-                work.hit_tokens -= tokens
-                work.host_tokens -= tokens
+                work.hit_tokens -= tokens if key not in state.computed_for_it else 0
+                work.host_tokens -= tokens if key not in state.computed_for_it else 0
                 work.sequences.insert(0, (tokens, 0.0))
         for key in keys.pc_keys:
             cache.touch(CacheKind.PC, key)
