@@ -1,8 +1,10 @@
 """`nebula-engine profile`: measure this engine on this machine and write a profile the simulator reads.
 
 What is measured, each through the engine's own code path:
-- prefill: ``LLM.generate`` of fresh prompts (no cache hit, one output token) at several lengths; the
-  best times (of several runs) are fitted to ``fixed_s + per_token_s * n + attention_s * n^2 / 2`` (least squares);
+- prefill: ``LLM.generate`` of fresh prompts (no cache hit, one output token) at several lengths, on one torch
+  thread, timed in CPU seconds (least of several runs: robust to whatever else the machine runs); fitted to
+  ``fixed_s + per_token_s * n + attention_s * n^2 / 2`` (least squares). On a CPU the profile says how many cores
+  the workers' forwards share (``node_cores``);
 - combine cost per PIC backend: a prompt of cached segments (prefilled earlier, now reused at new
   positions behind a fresh lead-in) plus a fresh query; the time is inverted through the fitted prefill
   model to the prefill tokens it is worth, minus the fresh ones, per reused token (1.0 = recompute);
@@ -19,6 +21,7 @@ its processors), with the cache sizes and batch budget of the engine options giv
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import platform
 import tempfile
 import time
@@ -56,9 +59,19 @@ class ProfileOptions:
     seed: int = 0
 
 
-def best_time(run: Callable[[], object], repeats: int) -> float:
-    """Fastest of ``repeats`` runs: other processes on the machine only ever add time, so the minimum is the
-    estimate of what the machine itself needs."""
+def cpu_seconds(run: Callable[[], object], repeats: int) -> float:
+    """Least CPU time of this process over ``repeats`` runs. The probe runs torch on one thread, so this is the
+    work the machine must do, whatever other processes do meanwhile (wall time under a loaded machine is not)."""
+    times = []
+    for _ in range(repeats):
+        start = time.process_time()
+        run()
+        times.append(time.process_time() - start)
+    return min(times)
+
+
+def wall_seconds(run: Callable[[], object], repeats: int) -> float:
+    """Fastest wall time of ``repeats`` runs (for transfers, which wait on another process)."""
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -74,6 +87,7 @@ class EngineProbe:
         from nebula_engine import LLM, SamplingParams
 
         self.options = options
+        torch.set_num_threads(1)  # CPU time of one thread = the work; the profile spreads it over the cores
         self.llm = LLM(options.model, dtype=options.dtype, device=options.device, page_size=options.page_size,
                        num_pages=options.num_pages, max_num_batched_tokens=options.max_num_batched_tokens)
         self.engine = self.llm.llm_engine
@@ -114,7 +128,7 @@ def measure_prefill(probe: EngineProbe) -> list[tuple[int, float]]:
     samples = []
     for length in sorted({min(n, limit) for n in probe.options.lengths}):
         probe.generate({"prompt_token_ids": probe.fresh(length)}, None)  # warm-up at this shape
-        seconds = best_time(lambda n=length: probe.generate({"prompt_token_ids": probe.fresh(n)}, None),
+        seconds = cpu_seconds(lambda n=length: probe.generate({"prompt_token_ids": probe.fresh(n)}, None),
                               probe.options.repeats)
         samples.append((length, seconds))
     return samples
@@ -163,7 +177,7 @@ def measure_combine(probe: EngineProbe, backend: str, model: PrefillTimeModel) -
                        backend)
 
     run()  # warm-up
-    seconds = best_time(run, options.repeats)
+    seconds = cpu_seconds(run, options.repeats)
     reused = options.num_segments * options.segment_len
     fresh = 8 + options.query_len
     worth = tokens_worth(model, seconds, reused)
@@ -221,16 +235,17 @@ def measure_copy(shapes, num_pages: int, repeats: int) -> list[tuple[int, float]
         for s, d in zip(src, dst):
             d.index_copy_(0, index, s.index_select(0, index))
 
-    return page_reads(copy, num_pages, repeats)
+    return page_reads(copy, num_pages, repeats, cpu_seconds)
 
 
-def page_reads(read: Callable[[list[int]], object], num_pages: int, repeats: int) -> list[tuple[int, float]]:
+def page_reads(read: Callable[[list[int]], object], num_pages: int, repeats: int,
+               timer: Callable = wall_seconds) -> list[tuple[int, float]]:
     rng = np.random.default_rng(0)
     samples = []
     for count in (c for c in TRANSFER_PAGES if c <= num_pages):
         pages = rng.choice(num_pages, count, replace=False).tolist()
         read(pages)  # warm-up (connects on the first NIXL read)
-        samples.append((count, best_time(lambda: read(pages), repeats)))
+        samples.append((count, timer(lambda: read(pages), repeats)))
     return samples
 
 
@@ -258,7 +273,7 @@ def measure_host_load(probe: EngineProbe) -> list[tuple[int, float]]:
             copies[key] = io.read_pages(pages)
         io.write_pages(pages, copies[key])
 
-    return page_reads(write, num_pages, probe.options.repeats)
+    return page_reads(write, num_pages, probe.options.repeats, cpu_seconds)
 
 
 def measure_disk_load(probe: EngineProbe) -> list[tuple[int, float]]:
@@ -276,7 +291,7 @@ def measure_disk_load(probe: EngineProbe) -> list[tuple[int, float]]:
                 tier.put("pic", key, count * page_size, {"pages": io.read_pages(list(range(count)))})
                 tier.flush()
                 tier.get("pic", key)  # warm-up
-                samples.append((count, best_time(lambda k=key: tier.get("pic", k), probe.options.repeats)))
+                samples.append((count, wall_seconds(lambda k=key: tier.get("pic", k), probe.options.repeats)))
         finally:
             tier.close()
     return samples
@@ -318,9 +333,13 @@ def build_profile(options: ProfileOptions, log: Callable[[str], None] = lambda l
         cache_capacity_tokens=options.num_pages * page_size, host_capacity_tokens=options.host_cache_tokens,
         max_batch_tokens=options.max_num_batched_tokens, pic_backend=engine_backend,
         combine_cost={row["backend"]: row["cost_per_reused_token"] for row in combines} or {engine_backend: 1.0},
-        shared_compute=options.device == "cpu",
+        shared_compute=options.device == "cpu", node_cores=machine_cores() if options.device == "cpu" else 1,
         sources=sources(options, mode, prefill_samples, combines, transfer_samples))
     return profile.to_dict()
+
+
+def machine_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def sources(options: ProfileOptions, mode: str, prefill_samples, combines, transfer_samples) -> dict:
@@ -330,14 +349,16 @@ def sources(options: ProfileOptions, mode: str, prefill_samples, combines, trans
         "measured": f"nebula-engine profile on {platform.node()} ({platform.processor() or platform.machine()}, "
                     f"{torch.get_num_threads()} torch threads), {time.strftime('%Y-%m-%d %H:%M')}",
         "model": f"{options.model} ({options.dtype}, {options.device})",
-        "prefill": "least-squares fit of LLM.generate (cold prompt, 1 output token, PIC off), best of "
-                   f"{options.repeats}; samples (tokens, s): {[(n, round(s, 5)) for n, s in prefill_samples]}",
+        "prefill": "least-squares fit of LLM.generate (cold prompt, 1 output token, PIC off) on one torch thread, "
+                   f"least CPU time of {options.repeats} (single-core seconds: what the work costs, whatever else runs "
+                   "here); samples (tokens, s): {[(n, round(s, 5)) for n, s in prefill_samples]}",
         "combine_cost": f"{options.num_segments} cached segments x {options.segment_len} + {options.query_len}-token "
                         "query behind a fresh 8-token lead-in, time inverted through the prefill fit: "
                         + "; ".join(f"{r['backend']} {r['seconds'] * 1e3:.1f} ms" for r in combines),
         "intra_node": f"{how}; samples (pages, s): {[(p, round(s, 6)) for p, s in transfer_samples]}",
         "inter_node": "the same link: every worker of this profile runs on this one machine",
-        "host_load": "StoragePageIO.write_pages of host copies into the pool (the host tier's promotion)",
+        "host_load": "StoragePageIO.write_pages of host copies into the pool (the host tier's promotion), "
+                     "single-core CPU time",
         "disk_load": "DiskTier.get of entries written by DiskTier.put (checksum + deserialize)",
         "gpus_per_node": "one machine holds every worker",
         "cache_capacity_tokens": f"engine pool: {options.num_pages} pages x {options.page_size} tokens",
@@ -346,6 +367,8 @@ def sources(options: ProfileOptions, mode: str, prefill_samples, combines, trans
         "pic_backend": "the engine's default backend for this model ('auto')",
         "shared_compute": "CPU: the workers' processes share this machine's cores" if options.device == "cpu"
         else "one device per worker",
+        "node_cores": "cores of this machine the workers' forwards share (each forward uses all cores when alone: "
+                      "intra-op threads assumed to scale perfectly)",
         "transfer": mode,
     }
 

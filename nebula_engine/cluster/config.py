@@ -63,8 +63,9 @@ class ClusterProfile:
     a copy on the host tier is read over ``host_load``, one on disk over ``disk_load``.
 
     ``combine_cost[backend]``: prefill tokens the combine spends per reused PIC token with that backend
-    (1.0 = recomputing it). ``shared_compute``: the workers of a node share its processors (a local
-    cluster on one CPU machine), so concurrent forwards slow each other down.
+    (1.0 = recomputing it). ``shared_compute``: the workers of a node share its ``node_cores`` processors (a
+    local cluster on one CPU machine; prefill times are then single-core seconds), so a lone forward runs
+    ``node_cores`` times faster and concurrent forwards share that speed.
     """
 
     name: str
@@ -81,6 +82,7 @@ class ClusterProfile:
     pic_backend: str
     combine_cost: dict = field(hash=False)
     shared_compute: bool = False
+    node_cores: int = 1
     sources: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
@@ -136,7 +138,7 @@ class ClusterProfile:
 
     @classmethod
     def from_dict(cls, data: dict) -> "ClusterProfile":
-        required = {f.name for f in fields(cls) if f.name not in ("shared_compute", "sources")}
+        required = {f.name for f in fields(cls) if f.name not in ("shared_compute", "node_cores", "sources")}
         missing = sorted(required - set(data))
         if missing:
             raise ValueError(f"profile {data.get('name', '?')!r} lacks {', '.join(missing)}")

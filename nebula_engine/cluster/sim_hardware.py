@@ -15,14 +15,16 @@ EPSILON_S = 1e-12
 
 
 class SharedProcessor:
-    """Forwards of the workers of one compute domain share it equally (processor sharing).
+    """Forwards of the workers of one compute domain share its ``capacity`` equally (processor sharing).
 
-    A GPU worker is its own domain, so its forward runs at full speed. On a CPU machine every worker is in
-    one domain: k concurrent forwards each progress at 1/k of full speed (``ClusterProfile.shared_compute``).
+    A GPU worker is its own domain of capacity 1, so its forward runs at full speed. On a CPU machine every
+    worker is in one domain of ``node_cores``: k concurrent forwards each progress at node_cores / k times the
+    single-core speed their times are given in (``ClusterProfile.shared_compute``).
     """
 
-    def __init__(self, at: Schedule):
+    def __init__(self, at: Schedule, capacity: float = 1.0):
         self._at = at
+        self._capacity = capacity
         self._active: dict[int, list] = {}  # worker -> [full-speed seconds left, on_done]
         self._last = 0.0
         self._version = 0
@@ -36,7 +38,7 @@ class SharedProcessor:
 
     def _advance(self, now: float) -> None:
         if self._active:
-            progress = (now - self._last) / len(self._active)
+            progress = (now - self._last) * self._capacity / len(self._active)
             for entry in self._active.values():
                 entry[0] -= progress
         self._last = now
@@ -46,7 +48,7 @@ class SharedProcessor:
         if not self._active:
             return
         version, left = self._version, min(entry[0] for entry in self._active.values())
-        self._at(now + max(left, 0.0) * len(self._active), lambda t: self._finish(t, version))
+        self._at(now + max(left, 0.0) * len(self._active) / self._capacity, lambda t: self._finish(t, version))
 
     def _finish(self, now: float, version: int) -> None:
         if version != self._version:
@@ -64,7 +66,7 @@ def make_processors(profile: ClusterProfile, num_workers: int, at: Schedule) -> 
     if not profile.shared_compute:
         return [SharedProcessor(at) for _ in range(num_workers)]
     by_node: dict[int, SharedProcessor] = {}
-    return [by_node.setdefault(profile.node_of(w), SharedProcessor(at)) for w in range(num_workers)]
+    return [by_node.setdefault(profile.node_of(w), SharedProcessor(at, profile.node_cores)) for w in range(num_workers)]
 
 
 class Links:

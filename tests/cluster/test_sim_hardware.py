@@ -58,3 +58,14 @@ def test_a_batched_forward_pays_the_fixed_cost_once():
     batch = model.batch_seconds([(1000, 0), (500, 2000)])
     assert batch == pytest.approx(model.seconds(1000) + model.seconds(500, 2000) - model.fixed_s)
     assert model.batch_seconds([]) == 0.0
+
+
+def test_a_shared_machine_with_two_cores_runs_two_forwards_side_by_side():
+    clock = Clock()
+    shared = SharedProcessor(clock.at, capacity=2.0)  # times in single-core seconds
+    shared.start(0, 1.0, lambda t: clock.done.setdefault("a", t), now=0.0)
+    clock.run()
+    shared.start(0, 1.0, lambda t: clock.done.setdefault("b", t), now=1.0)
+    shared.start(1, 1.0, lambda t: clock.done.setdefault("c", t), now=1.0)
+    clock.run()
+    assert clock.done == {"a": pytest.approx(0.5), "b": pytest.approx(2.0), "c": pytest.approx(2.0)}
