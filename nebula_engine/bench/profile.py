@@ -6,8 +6,8 @@ What is measured, each through the engine's own code path:
   ``fixed_s + per_token_s * n + attention_s * n^2 / 2`` (least squares). On a CPU the profile says how many cores
   the workers' forwards share (``node_cores``);
 - combine cost per PIC backend: a prompt of cached segments (prefilled earlier, now reused at new
-  positions behind a fresh lead-in) plus a fresh query; the time is inverted through the fitted prefill
-  model to the prefill tokens it is worth, minus the fresh ones, per reused token (1.0 = recompute);
+  positions behind a fresh lead-in) plus a fresh query, timed like the prefill; the cost is that time over
+  the ``full`` backend's (which recomputes every token through the same path): 1.0 = recompute;
 - KV transfer: page-scattered reads of the engine's own page layout, with NIXL from another process
   over loopback where NIXL imports, else an in-process copy (the profile says which); fitted to
   latency + bytes / bandwidth;
@@ -34,8 +34,8 @@ import torch
 
 from nebula_engine.cluster.config import ClusterProfile, PrefillTimeModel, TransferLink
 
-ATTENTION_BACKENDS = ("full", "naive", "epic", "cacheblend", "a3")
-HYBRID_BACKENDS = ("full", "hypic")
+ATTENTION_BACKENDS = ("naive", "epic", "cacheblend", "a3")
+HYBRID_BACKENDS = ("hypic",)
 TRANSFER_PAGES = (1, 4, 16, 64, 256)
 LOWEST_TOKEN_ID = 100  # clear of special tokens, as the benchmarks' synthetic prompts
 
@@ -106,7 +106,7 @@ class EngineProbe:
 
         if self.engine.model_runner.pic_executor is None:
             return ()
-        wanted = self.options.backends or (HYBRID_BACKENDS + ATTENTION_BACKENDS)
+        wanted = ("full", *(self.options.backends or (HYBRID_BACKENDS + ATTENTION_BACKENDS)))  # full: the unit
         usable = []
         for name in dict.fromkeys(wanted):
             try:
@@ -150,23 +150,13 @@ def fit_prefill(samples: list[tuple[int, float]]) -> PrefillTimeModel:
     return PrefillTimeModel(**{c: max(0.0, fitted.get(c, 0.0)) for c in columns})
 
 
-def tokens_worth(model: PrefillTimeModel, seconds: float, context: float) -> float:
-    """The number of new tokens x, after ``context`` cached ones, whose prefill takes ``seconds``."""
-    a = model.attention_s / 2
-    b = model.per_token_s + model.attention_s * context
-    c = model.fixed_s - seconds
-    if c >= 0:
-        return 0.0
-    return -c / b if a == 0 else (-b + (b * b - 4 * a * c) ** 0.5) / (2 * a)
-
-
 # ---- combine cost per backend ----------------------------------------------------------------------
 def combine_prompt(lead: list[int], segments: list[list[int]], query: list[int]) -> dict:
     return {"segments": [("regular", lead), *(("pic", s) for s in segments), ("regular", query)]}
 
 
-def measure_combine(probe: EngineProbe, backend: str, model: PrefillTimeModel) -> dict:
-    """Best combine time with every segment cached, and the cost per reused token it implies."""
+def measure_combine(probe: EngineProbe, backend: str) -> dict:
+    """Least CPU time of a combine with every segment cached (reused behind a fresh lead-in, in a new order)."""
     options = probe.options
     segments = [probe.fresh(options.segment_len) for _ in range(options.num_segments)]
     probe.generate(combine_prompt(probe.fresh(8), segments, probe.fresh(options.query_len)), backend)  # caches them
@@ -177,12 +167,16 @@ def measure_combine(probe: EngineProbe, backend: str, model: PrefillTimeModel) -
                        backend)
 
     run()  # warm-up
-    seconds = cpu_seconds(run, options.repeats)
-    reused = options.num_segments * options.segment_len
-    fresh = 8 + options.query_len
-    worth = tokens_worth(model, seconds, reused)
-    return {"backend": backend, "seconds": seconds, "reused_tokens": reused, "fresh_tokens": fresh,
-            "cost_per_reused_token": max(0.0, (worth - fresh) / reused)}
+    return {"backend": backend, "seconds": cpu_seconds(run, options.repeats),
+            "reused_tokens": options.num_segments * options.segment_len, "fresh_tokens": 8 + options.query_len}
+
+
+def combine_costs(rows: list[dict]) -> dict[str, float]:
+    """Each backend's combine time over the ``full`` backend's (every token recomputed through the same path):
+    the share of a recompute a reused PIC token still costs. A ratio of two times measured alike carries over
+    between machines better than either time."""
+    full = next(row["seconds"] for row in rows if row["backend"] == "full")
+    return {row["backend"]: round(row["seconds"] / full, 4) for row in rows}
 
 
 # ---- KV transfer -----------------------------------------------------------------------------------
@@ -318,9 +312,10 @@ def build_profile(options: ProfileOptions, log: Callable[[str], None] = lambda l
     prefill_samples = measure_prefill(probe)
     prefill = fit_prefill(prefill_samples)
     log(f"prefill: {prefill}")
-    combines = [measure_combine(probe, backend, prefill) for backend in probe.supported_backends()]
+    combines = [measure_combine(probe, backend) for backend in probe.supported_backends()]
+    costs = combine_costs(combines) if combines else {}
     for row in combines:
-        log(f"combine {row['backend']}: {row['seconds'] * 1e3:.1f} ms -> {row['cost_per_reused_token']:.3f} per reused token")
+        log(f"combine {row['backend']}: {row['seconds'] * 1e3:.1f} ms -> {costs[row['backend']]:.3f} of a recompute")
     mode, transfer_samples = measure_transfer(probe)
     to_bytes = lambda samples: [(pages * page_size * bytes_per_token, s) for pages, s in samples]  # noqa: E731
     link = fit_link(to_bytes(transfer_samples))
@@ -332,7 +327,7 @@ def build_profile(options: ProfileOptions, log: Callable[[str], None] = lambda l
         intra_node=link, inter_node=link, host_load=host, disk_load=disk, gpus_per_node=1 << 10,
         cache_capacity_tokens=options.num_pages * page_size, host_capacity_tokens=options.host_cache_tokens,
         max_batch_tokens=options.max_num_batched_tokens, pic_backend=engine_backend,
-        combine_cost={row["backend"]: row["cost_per_reused_token"] for row in combines} or {engine_backend: 1.0},
+        combine_cost=costs or {engine_backend: 1.0},
         shared_compute=options.device == "cpu", node_cores=machine_cores() if options.device == "cpu" else 1,
         sources=sources(options, mode, prefill_samples, combines, transfer_samples))
     return profile.to_dict()
@@ -353,8 +348,8 @@ def sources(options: ProfileOptions, mode: str, prefill_samples, combines, trans
                    f"least CPU time of {options.repeats} (single-core seconds: what the work costs, whatever else runs "
                    "here); samples (tokens, s): {[(n, round(s, 5)) for n, s in prefill_samples]}",
         "combine_cost": f"{options.num_segments} cached segments x {options.segment_len} + {options.query_len}-token "
-                        "query behind a fresh 8-token lead-in, time inverted through the prefill fit: "
-                        + "; ".join(f"{r['backend']} {r['seconds'] * 1e3:.1f} ms" for r in combines),
+                        "query behind a fresh 8-token lead-in, CPU time over the full backend's (single-core ms): "
+                        + "; ".join(f"{r['backend']} {r['seconds'] * 1e3:.1f}" for r in combines),
         "intra_node": f"{how}; samples (pages, s): {[(p, round(s, 6)) for p, s in transfer_samples]}",
         "inter_node": "the same link: every worker of this profile runs on this one machine",
         "host_load": "StoragePageIO.write_pages of host copies into the pool (the host tier's promotion), "

@@ -68,6 +68,7 @@ class RequestState:
     keys: RequestKeys
     plan: PrefillPlan
     arrival: float
+    index: int  # position in arrival order
     measured: bool
     pending: int = 1  # inputs not yet at the home; dispatch itself holds one
     ready_at: float = 0.0
@@ -125,6 +126,10 @@ class Simulator:
         self.links = Links(self.profile)
         self.producing: dict[tuple[int, str], list[Callable[[float], None]]] = {}  # (worker, PIC key) -> waiters
         self.producing_pc: dict[tuple[int, str], list[Callable[[float], None]]] = {}  # (home, chain key) -> waiters
+        # content id or chain key -> the first request (arrival order) that carried it. A reuse counts as a hit
+        # only of what an earlier request brought, as in the reuse analysis: a request admitted late may find
+        # what a later one computed meanwhile, which saves it time but is no cache hit
+        self.first_seen: dict[str, int] = {}
         self.seq = [itertools.count(1) for _ in range(n)]
         self.heap: list = []
         self.tick = itertools.count()
@@ -174,7 +179,9 @@ class Simulator:
         if decision.tier_shares is not None and self.self_tuning:
             for cache in self.caches:
                 cache.set_shares(decision.tier_shares)
-        state = RequestState(keys, decision.plan, now, measured, ready_at=now)
+        state = RequestState(keys, decision.plan, now, index, measured, ready_at=now)
+        for key in (*keys.content_ids, *keys.pc_keys):
+            self.first_seen.setdefault(key, index)
         if measured:
             self.counters.input_tokens += keys.total_tokens
         self._dispatch(state, now)
@@ -346,10 +353,13 @@ class Simulator:
         while depth < len(keys.pc_keys) and cache.tier_of(CacheKind.PC, keys.pc_keys[depth]) is not None:
             depth += 1
         prefix = keys.prefix_tokens(depth)
-        work = CombineWork([], [], [], prefix, 0, keys.total_tokens - prefix)
+        earlier = 0  # leading chain entries an earlier request brought
+        while earlier < depth and self.first_seen[keys.pc_keys[earlier]] < state.index:
+            earlier += 1
+        work = CombineWork([], [], [], keys.prefix_tokens(earlier), 0, keys.total_tokens - prefix)
         for i in range(depth):
             if cache.tier_of(CacheKind.PC, keys.pc_keys[i]) is Tier.HOST:
-                work.host_tokens += keys.tokens[i]
+                work.host_tokens += keys.tokens[i] if i < earlier else 0
                 work.promoted.append((CacheKind.PC, keys.pc_keys[i], keys.tokens[i]))
         pic = set(keys.pic_indices) if self.uses_pic else set()
         seen: set[str] = set()
@@ -358,7 +368,8 @@ class Simulator:
                 self._segment_work(state, keys.content_ids[i], keys.tokens[i], seen, work)
         regular = sum(keys.tokens[i] for i in range(depth, len(keys.tokens)) if i not in pic)
         reused = sum(keys.tokens[i] for i in range(depth, len(keys.tokens)) if i in pic)
-        work.sequences.append((regular + self.profile.combine_ratio * reused, keys.total_tokens - regular))
+        combine = regular + self.profile.combine_ratio * reused  # prefill tokens worth, attending to the rest
+        work.sequences.append((combine, keys.total_tokens - combine))
         return work
 
     def _segment_work(self, state: RequestState, content: str, tokens: int, seen: set[str], work: CombineWork) -> None:
@@ -366,7 +377,8 @@ class Simulator:
         prefilled alone in the combine's forward. An earlier copy in the request counts as a hit, as in the
         reuse analysis; a segment scatter-prefilled for this very request does not."""
         tier = None if content in seen else self.caches[state.plan.combine_home].tier_of(CacheKind.PIC, content)
-        hit = content in seen or (tier is not None and content not in state.computed_for_it)
+        hit = content in seen or (tier is not None and content not in state.computed_for_it
+                                  and self.first_seen[content] < state.index)
         if hit:
             work.hit_tokens += tokens
         elif tier is None:
