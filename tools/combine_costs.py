@@ -5,8 +5,8 @@ The GPU profiles keep public specs for throughput, but what a combine costs rela
 backend and on the model's structure (CacheBlend and A3 recompute every token at their check layer, so the
 fewer layers a model has, the dearer they are). This builds small random checkpoints with the paper models'
 layer structure (hidden size shrunk so a CPU can run them), runs ``nebula-engine profile``'s combine measurement
-on each, and prints each backend's combine time over a full recompute's; ``--write`` stores them in the shipped
-profiles.
+on each, and prints each backend's combine time over a plain prefill of the same prompt; ``--write`` stores them in
+the shipped profiles.
 
     python tools/combine_costs.py                 # prints the table
     python tools/combine_costs.py --write         # and updates nebula_engine/cluster/profiles/*.json
@@ -19,7 +19,7 @@ import json
 import time
 from pathlib import Path
 
-from nebula_engine.bench.profile import EngineProbe, ProfileOptions, combine_costs, measure_combine
+from nebula_engine.bench.profile import EngineProbe, ProfileOptions, combine_costs, measure_combines
 from nebula_engine.engine.commands import cached_checkpoint
 
 PROFILES = Path(__file__).resolve().parent.parent / "nebula_engine" / "cluster" / "profiles"
@@ -45,7 +45,7 @@ def checkpoint(name: str, family: str, shape: dict) -> str:
 
 def measure(model: str, repeats: int) -> tuple[dict[str, float], str]:
     probe = EngineProbe(ProfileOptions(model=model, repeats=repeats))
-    rows = [measure_combine(probe, backend) for backend in probe.supported_backends()]
+    rows = measure_combines(probe)
     detail = "; ".join(f"{row['backend']} {row['seconds'] * 1e3:.0f}" for row in rows)
     return combine_costs(rows), detail
 
@@ -69,7 +69,7 @@ def main() -> None:
                 f"MEASURED by tools/combine_costs.py ({time.strftime('%Y-%m-%d')}, fp32 CPU): nebula-engine profile's "
                 f"combine measurement on a random {family} checkpoint with the paper model's structure, "
                 f"{LAYERS_NOTE[profile_file]}, hidden 256; 4 cached segments x 256 + 32-token query, CPU time of "
-                f"each backend's combine over the full backend's (single-core ms: {detail}). Throughput stays "
+                f"each backend's combine over a plain prefill of the same prompt (single-core ms: {detail}). Throughput stays "
                 "from public specs; this ratio is taken to carry over to the GPU")
             path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
 

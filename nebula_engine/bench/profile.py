@@ -7,7 +7,7 @@ What is measured, each through the engine's own code path:
   the workers' forwards share (``node_cores``);
 - combine cost per PIC backend: a prompt of cached segments (prefilled earlier, now reused at new
   positions behind a fresh lead-in) plus a fresh query, timed like the prefill; the cost is that time over
-  the ``full`` backend's (which recomputes every token through the same path): 1.0 = recompute;
+  a plain prefill of the same prompt (PIC off): 1.0 = recomputing it;
 - KV transfer: page-scattered reads of the engine's own page layout, with NIXL from another process
   over loopback where NIXL imports, else an in-process copy (the profile says which); fitted to
   latency + bytes / bandwidth;
@@ -34,8 +34,9 @@ import torch
 
 from nebula_engine.cluster.config import ClusterProfile, PrefillTimeModel, TransferLink
 
-ATTENTION_BACKENDS = ("naive", "epic", "cacheblend", "a3")
+ATTENTION_BACKENDS = ("full", "naive", "epic", "cacheblend", "a3")
 HYBRID_BACKENDS = ("hypic",)
+PLAIN = "plain prefill"
 TRANSFER_PAGES = (1, 4, 16, 64, 256)
 LOWEST_TOKEN_ID = 100  # clear of special tokens, as the benchmarks' synthetic prompts
 
@@ -106,7 +107,7 @@ class EngineProbe:
 
         if self.engine.model_runner.pic_executor is None:
             return ()
-        wanted = ("full", *(self.options.backends or (HYBRID_BACKENDS + ATTENTION_BACKENDS)))  # full: the unit
+        wanted = self.options.backends or (HYBRID_BACKENDS + ATTENTION_BACKENDS)
         usable = []
         for name in dict.fromkeys(wanted):
             try:
@@ -155,8 +156,9 @@ def combine_prompt(lead: list[int], segments: list[list[int]], query: list[int])
     return {"segments": [("regular", lead), *(("pic", s) for s in segments), ("regular", query)]}
 
 
-def measure_combine(probe: EngineProbe, backend: str) -> dict:
-    """Least CPU time of a combine with every segment cached (reused behind a fresh lead-in, in a new order)."""
+def measure_combine(probe: EngineProbe, backend: str | None) -> dict:
+    """Least CPU time of a combine with every segment cached (reused behind a fresh lead-in, in a new order);
+    ``backend`` None: the same prompt prefilled plainly, PIC off (the unit of the combine costs)."""
     options = probe.options
     segments = [probe.fresh(options.segment_len) for _ in range(options.num_segments)]
     probe.generate(combine_prompt(probe.fresh(8), segments, probe.fresh(options.query_len)), backend)  # caches them
@@ -167,16 +169,22 @@ def measure_combine(probe: EngineProbe, backend: str) -> dict:
                        backend)
 
     run()  # warm-up
-    return {"backend": backend, "seconds": cpu_seconds(run, options.repeats),
+    return {"backend": backend or PLAIN, "seconds": cpu_seconds(run, options.repeats),
             "reused_tokens": options.num_segments * options.segment_len, "fresh_tokens": 8 + options.query_len}
 
 
 def combine_costs(rows: list[dict]) -> dict[str, float]:
-    """Each backend's combine time over the ``full`` backend's (every token recomputed through the same path):
-    the share of a recompute a reused PIC token still costs. A ratio of two times measured alike carries over
-    between machines better than either time."""
-    full = next(row["seconds"] for row in rows if row["backend"] == "full")
-    return {row["backend"]: round(row["seconds"] / full, 4) for row in rows}
+    """Each backend's combine time over a plain prefill of the same prompt (PIC off): the share of a recompute a
+    reused PIC token still costs. A ratio of two times measured alike carries over between machines better than
+    either time."""
+    plain = next(row["seconds"] for row in rows if row["backend"] == PLAIN)
+    return {row["backend"]: round(row["seconds"] / plain, 4) for row in rows if row["backend"] != PLAIN}
+
+
+def measure_combines(probe: EngineProbe) -> list[dict]:
+    """The plain prefill, then every backend the model supports."""
+    backends = probe.supported_backends()
+    return [measure_combine(probe, backend) for backend in (None, *backends)] if backends else []
 
 
 # ---- KV transfer -----------------------------------------------------------------------------------
@@ -312,10 +320,11 @@ def build_profile(options: ProfileOptions, log: Callable[[str], None] = lambda l
     prefill_samples = measure_prefill(probe)
     prefill = fit_prefill(prefill_samples)
     log(f"prefill: {prefill}")
-    combines = [measure_combine(probe, backend) for backend in probe.supported_backends()]
+    combines = measure_combines(probe)
     costs = combine_costs(combines) if combines else {}
     for row in combines:
-        log(f"combine {row['backend']}: {row['seconds'] * 1e3:.1f} ms -> {costs[row['backend']]:.3f} of a recompute")
+        log(f"combine {row['backend']}: {row['seconds'] * 1e3:.1f} ms -> {costs.get(row['backend'], 1.0):.3f} "
+            "of a plain prefill")
     mode, transfer_samples = measure_transfer(probe)
     to_bytes = lambda samples: [(pages * page_size * bytes_per_token, s) for pages, s in samples]  # noqa: E731
     link = fit_link(to_bytes(transfer_samples))
@@ -348,7 +357,7 @@ def sources(options: ProfileOptions, mode: str, prefill_samples, combines, trans
                    f"least CPU time of {options.repeats} (single-core seconds: what the work costs, whatever else runs "
                    "here); samples (tokens, s): {[(n, round(s, 5)) for n, s in prefill_samples]}",
         "combine_cost": f"{options.num_segments} cached segments x {options.segment_len} + {options.query_len}-token "
-                        "query behind a fresh 8-token lead-in, CPU time over the full backend's (single-core ms): "
+                        "query behind a fresh 8-token lead-in, CPU time over a plain prefill's (single-core ms): "
                         + "; ".join(f"{r['backend']} {r['seconds'] * 1e3:.1f}" for r in combines),
         "intra_node": f"{how}; samples (pages, s): {[(p, round(s, 6)) for p, s in transfer_samples]}",
         "inter_node": "the same link: every worker of this profile runs on this one machine",

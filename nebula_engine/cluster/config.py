@@ -63,7 +63,7 @@ class ClusterProfile:
     a copy on the host tier is read over ``host_load``, one on disk over ``disk_load``.
 
     ``combine_cost[backend]``: prefill tokens the combine spends per reused PIC token with that backend
-    (1.0 = recomputing it). ``shared_compute``: the workers of a node share its ``node_cores`` processors (a
+    (1.0 = recomputing it: measured as the combine's time over a plain prefill of the same prompt). ``shared_compute``: the workers of a node share its ``node_cores`` processors (a
     local cluster on one CPU machine; prefill times are then single-core seconds), so a lone forward runs
     ``node_cores`` times faster and concurrent forwards share that speed.
     """
