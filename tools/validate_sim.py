@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -44,6 +45,7 @@ def shrunk(requests: list[Request], max_prompt_tokens: int | None) -> list[Reque
 
 
 def simulated_rows(compare: dict, profile: ClusterProfile, data_dir: str | None) -> dict[str, dict]:
+    """Each policy of the compare, simulated with its settings (first token streamed by the prefill peer)."""
     options = compare["options"]
     n = int(options["num_requests"])
     requests = load_workload(options["trace"], data_dir=data_dir, limit=n, seed=int(options["seed"]))[:n]
@@ -83,12 +85,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--profile", required=True, help="profile JSON written by nebula-engine profile")
     parser.add_argument("--data", default=None, help="traces directory (as compare's --data)")
     parser.add_argument("--out", type=Path, default=None, help="also write the comparison as JSON here")
+    parser.add_argument("--node-cores", type=float, default=None,
+                        help="cores the cluster really had [default: the profile's, i.e. the machine to itself]")
+    parser.add_argument("--load-average", type=float, default=None,
+                        help="the machine's load average while compare ran, other work included: the cluster then gets "
+                             "cores x min(1, cores / load) of the cores (each runnable thread's fair share)")
     args = parser.parse_args(argv)
     compare = json.loads(args.compare.read_text())
     profile = ClusterProfile.load(args.profile)
+    if args.node_cores is not None:
+        profile = replace(profile, node_cores=args.node_cores)
+    if args.load_average is not None:
+        profile = replace(profile, node_cores=profile.node_cores * min(1.0, profile.node_cores / args.load_average))
     options = compare["options"]
     print(f"{options['num_requests']} {options['trace']} requests at {options['qps']} req/s, "
-          f"{options['prefill_workers']} prefill + {options['decode_workers']} decode peers; profile {profile.name}")
+          f"{options['prefill_workers']} prefill + {options['decode_workers']} decode peers; profile {profile.name} "
+          f"({profile.node_cores:g} cores shared by the workers); load average now "
+          f"{' / '.join(f'{x:.1f}' for x in os.getloadavg())}")
     text, results = table(compare, simulated_rows(compare, profile, args.data))
     print(text)
     if args.out:

@@ -82,7 +82,7 @@ class ClusterProfile:
     pic_backend: str
     combine_cost: dict = field(hash=False)
     shared_compute: bool = False
-    node_cores: int = 1
+    node_cores: float = 1.0
     sources: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
