@@ -14,13 +14,14 @@ def main() -> None:
 def _register() -> None:
     from nebula_engine.bench.cluster_compare import compare_command
     from nebula_engine.bench.commands import bench
+    from nebula_engine.bench.profile_command import profile
     from nebula_engine.cluster.commands import simulate
     from nebula_engine.engine.commands import generate
     from nebula_engine.engine.prefill_command import prefill
     from nebula_engine.server.commands import serve
     from nebula_engine.workloads.commands import analyze
 
-    for command in (generate, analyze, simulate, serve, bench, prefill, compare_command):
+    for command in (generate, analyze, simulate, serve, bench, prefill, compare_command, profile):
         main.add_command(command)
 
 

@@ -1,8 +1,10 @@
 """Frozen configuration for the control plane and the simulator.
 
-A :class:`ClusterProfile` holds the measured (or derived) hardware numbers: the prefill-time model,
-the transfer links, KV bytes per token and per-worker cache capacity. It loads from JSON so it can
-be calibrated from real engine runs. :class:`ClusterConfig` holds the policy knobs.
+A :class:`ClusterProfile` holds the hardware numbers: the prefill-time model, the transfer links, KV
+bytes per token, per-worker capacity of each tier and the combine cost of each PIC backend. It loads
+from JSON: the shipped GPU profiles (``cluster/profiles/``) derive throughput from public specs, and
+``nebula-engine profile`` writes one measured on the machine it runs on. Every number says where it
+comes from in the profile's ``sources``. :class:`ClusterConfig` holds the policy knobs.
 """
 
 from __future__ import annotations
@@ -11,13 +13,18 @@ import json
 from dataclasses import dataclass, field, fields, replace
 from importlib import resources
 from pathlib import Path
+from typing import Sequence
+
+from nebula_engine.cluster.messages import Tier
 
 DEFAULT_PROFILE = "default"
+LINKS = ("intra_node", "inter_node", "host_load", "disk_load")
 
 
 @dataclass(frozen=True)
 class PrefillTimeModel:
-    """seconds = fixed_s + per_token_s * n + attention_s * n * (context + n) / 2 for n new tokens."""
+    """seconds = fixed_s + per_token_s * n + attention_s * n * (context + n / 2) for n new tokens after
+    ``context`` cached ones. A batched forward pays ``fixed_s`` once for all its sequences."""
 
     fixed_s: float
     per_token_s: float
@@ -26,8 +33,18 @@ class PrefillTimeModel:
     def seconds(self, new_tokens: float, context_tokens: float = 0.0) -> float:
         if new_tokens <= 0:
             return 0.0
-        attention = self.attention_s * new_tokens * (context_tokens + new_tokens / 2)
-        return self.fixed_s + self.per_token_s * new_tokens + attention
+        return self.fixed_s + self.compute_seconds(new_tokens, context_tokens)
+
+    def compute_seconds(self, new_tokens: float, context_tokens: float = 0.0) -> float:
+        """The per-sequence part of a forward (no fixed cost)."""
+        if new_tokens <= 0:
+            return 0.0
+        return self.per_token_s * new_tokens + self.attention_s * new_tokens * (context_tokens + new_tokens / 2)
+
+    def batch_seconds(self, sequences: Sequence[tuple[float, float]]) -> float:
+        """One forward over ``(new tokens, context tokens)`` of several sequences."""
+        work = sum(self.compute_seconds(n, context) for n, context in sequences)
+        return self.fixed_s + work if work > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -43,7 +60,13 @@ class TransferLink:
 class ClusterProfile:
     """Hardware numbers. Workers ``0..N-1`` are prefill workers, placed ``gpus_per_node`` to a node;
     the decode worker takes the next slot. Links: same node -> ``intra_node``, else ``inter_node``;
-    reading from host memory adds ``host_load`` (the slow tier)."""
+    a copy on the host tier is read over ``host_load``, one on disk over ``disk_load``.
+
+    ``combine_cost[backend]``: prefill tokens the combine spends per reused PIC token with that backend
+    (1.0 = recomputing it: measured as the combine's time over a plain prefill of the same prompt). ``shared_compute``: the workers of a node share its ``node_cores`` processors (a
+    local cluster on one CPU machine; prefill times are then single-core seconds), so a lone forward runs
+    ``node_cores`` times faster and concurrent forwards share that speed.
+    """
 
     name: str
     prefill: PrefillTimeModel
@@ -51,10 +74,25 @@ class ClusterProfile:
     intra_node: TransferLink
     inter_node: TransferLink
     host_load: TransferLink
+    disk_load: TransferLink
     gpus_per_node: int
     cache_capacity_tokens: int
-    pic_recompute_ratio: float
+    host_capacity_tokens: int
+    max_batch_tokens: int
+    pic_backend: str
+    combine_cost: dict = field(hash=False)
+    shared_compute: bool = False
+    node_cores: float = 1.0
     sources: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self):
+        if self.pic_backend not in self.combine_cost:
+            raise ValueError(f"profile {self.name!r}: no combine_cost for its pic_backend {self.pic_backend!r}")
+
+    @property
+    def combine_ratio(self) -> float:
+        """Combine cost per reused PIC token of the backend this deployment runs."""
+        return self.combine_cost[self.pic_backend]
 
     def node_of(self, worker: int) -> int:
         return worker // self.gpus_per_node
@@ -71,6 +109,14 @@ class ClusterProfile:
             return 0.0
         return link.seconds(num_tokens * self.kv_bytes_per_token)
 
+    def tier_link(self, tier: Tier) -> TransferLink | None:
+        """How a copy on ``tier`` is read back into device memory; None for the device itself."""
+        return {Tier.DEVICE: None, Tier.HOST: self.host_load, Tier.DISK: self.disk_load}[tier]
+
+    def load_seconds(self, tier: Tier, num_tokens: float) -> float:
+        link = self.tier_link(tier)
+        return 0.0 if link is None or num_tokens <= 0 else link.seconds(num_tokens * self.kv_bytes_per_token)
+
     def relative_transfer_cost(self, src: int, dst: int) -> float:
         """d(src -> dst) of §7.2: per-token transfer time over per-token prefill time; 0 on itself."""
         link = self.link(src, dst)
@@ -78,22 +124,38 @@ class ClusterProfile:
             return 0.0
         return self.kv_bytes_per_token / link.bandwidth_bytes_per_s / self.prefill.per_token_s
 
-    def host_load_cost(self) -> float:
-        """Per-token cost, in prefill tokens, of reading a segment from the host tier."""
-        return self.kv_bytes_per_token / self.host_load.bandwidth_bytes_per_s / self.prefill.per_token_s
+    def tier_cost(self, tier: Tier) -> float:
+        """Per-token cost, in prefill tokens, of reading a copy on ``tier`` into device memory."""
+        link = self.tier_link(tier)
+        return 0.0 if link is None else self.kv_bytes_per_token / link.bandwidth_bytes_per_s / self.prefill.per_token_s
+
+    def to_dict(self) -> dict:
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data["prefill"] = vars(self.prefill).copy()
+        for name in LINKS:
+            data[name] = vars(data[name]).copy()
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> "ClusterProfile":
-        links = {k: TransferLink(**data[k]) for k in ("intra_node", "inter_node", "host_load")}
-        plain = {f.name: data[f.name] for f in fields(cls)
-                 if f.name in data and f.name not in links and f.name != "prefill"}
+        required = {f.name for f in fields(cls) if f.name not in ("shared_compute", "node_cores", "sources")}
+        missing = sorted(required - set(data))
+        if missing:
+            raise ValueError(f"profile {data.get('name', '?')!r} lacks {', '.join(missing)}")
+        unknown = sorted(set(data) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"profile {data.get('name', '?')!r} has unknown fields {', '.join(unknown)}")
+        links = {k: TransferLink(**data[k]) for k in LINKS}
+        plain = {k: v for k, v in data.items() if k not in links and k != "prefill"}
         return cls(prefill=PrefillTimeModel(**data["prefill"]), **links, **plain)
 
     @classmethod
     def load(cls, path_or_name: str | Path = DEFAULT_PROFILE) -> "ClusterProfile":
         """Load a profile JSON file, or a profile shipped in ``cluster/profiles/`` by name."""
         path = Path(path_or_name)
-        if path.suffix == ".json" and path.exists():
+        if path.suffix == ".json":
+            if not path.is_file():
+                raise FileNotFoundError(f"no profile file {path}")
             text = path.read_text()
         else:
             shipped = resources.files("nebula_engine.cluster") / "profiles" / f"{path_or_name}.json"
@@ -121,9 +183,9 @@ class ViewConfig:
 
 @dataclass(frozen=True)
 class CacheManagerConfig:
-    initial_pc_share: float = 0.5
-    update_window: int = 16  # U: requests between updates of p
-    step: float = 0.01  # the most p moves per update
+    initial_pc_share: float = 0.5  # §6.2: p starts at 0.5
+    update_window: int = 16  # U: requests between updates of p (§6.2 default)
+    step: float = 0.01  # the most p moves per update (§6.2: one percentage point)
     ghost_capacity: int = 1 << 20  # ids kept in each B queue
 
 
@@ -134,7 +196,6 @@ class ClusterConfig:
     view: ViewConfig = ViewConfig()
     cache_manager: CacheManagerConfig = CacheManagerConfig()
     event_delay_s: float = 0.005  # worker -> router event delivery
-    eviction: str = "soft-share"  # soft-share | unified-lru | fixed-partition
     seed: int = 0
 
     def with_profile(self, **changes) -> "ClusterConfig":

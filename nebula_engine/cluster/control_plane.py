@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from nebula_engine.cluster.cache_manager import CacheManager
 from nebula_engine.cluster.config import ClusterConfig
-from nebula_engine.cluster.messages import (Action, CacheKind, PrefillPlan, PrefixPlan, SegmentPlan,
+from nebula_engine.cluster.messages import (Action, CacheKind, PrefillPlan, PrefixPlan, SegmentPlan, Tier,
                                             WorkerEvent)
 from nebula_engine.cluster.planner import TransferCosts
 from nebula_engine.cluster.policies import make_policy, view_config
@@ -20,7 +20,8 @@ from nebula_engine.cluster.view import ClusterView
 @dataclass(frozen=True)
 class Decision:
     plan: PrefillPlan
-    pc_share: float | None  # the new p to broadcast to workers, when this request closed a window
+    pc_share: float | None  # the device tier's new p to broadcast to workers, when this request closed a window
+    tier_shares: dict[Tier, float] | None = None  # every tier's new p (§6.2), with pc_share
 
 
 class ControlPlane:
@@ -40,34 +41,44 @@ class ControlPlane:
         ``home``: the combine must run on this worker (an operator's or a test's choice); the policy still
         decides where each PIC segment comes from."""
         self.view.expire(now)
-        pc_share = self.cache_manager.observe(keys)
+        shares = self.cache_manager.observe(keys)
         plan = self.policy.plan(keys, self.view, now) if home is None else self.pinned_plan(keys, home, now)
         self.view.record_dispatch(plan, now)
         self._touch_reused(plan)
-        return Decision(plan, pc_share)
+        return Decision(plan, None if shares is None else shares[Tier.DEVICE], shares)
 
     def pinned_plan(self, keys: RequestKeys, home: int, now: float) -> PrefillPlan:
         """A plan whose combine runs on ``home``: the prefix it holds is reused; with PIC, each segment past it
-        is read from a holder (``home`` first) or computed at ``home``."""
+        is read from the holder cheapest to move to ``home`` (if that beats recomputing it) or computed at
+        ``home``; a segment repeated inside the request is planned once."""
         depth = self.view.prefix_matches(keys.pc_keys, now).get(home, 0)
         prefix = PrefixPlan(home, depth, keys.prefix_tokens(depth)) if depth else None
-        segments = []
+        segments, placed = [], {}
         for index in keys.pic_indices if self.policy.name != "pc" else ():
             if index < depth:
                 continue
-            key = keys.content_ids[index]
-            holders = sorted(self.view.holders(CacheKind.PIC, key, now)) if self.policy.name == "nebula" else []
+            key, tokens = keys.content_ids[index], keys.tokens[index]
             if self.policy.name == "local-pic":
-                segments.append(SegmentPlan(index, key, keys.tokens[index], home, Action.LOCAL))
-            elif holders:
-                source = home if home in holders else holders[0]
-                segments.append(SegmentPlan(index, key, keys.tokens[index], source, Action.REUSE))
+                segments.append(SegmentPlan(index, key, tokens, home, Action.LOCAL))
+            elif key in placed:
+                first = placed[key]
+                segments.append(SegmentPlan(index, key, tokens, first.worker, Action.REUSE, tier=first.tier))
             else:
-                segments.append(SegmentPlan(index, key, keys.tokens[index], home, Action.COMPUTE,
-                                            task_id=f"{keys.request_id}/scatter/{index}"))
+                placed[key] = self._pinned_source(keys, index, home, now)
+                segments.append(placed[key])
         return PrefillPlan(request_id=keys.request_id, combine_home=home, combine_task_id=f"{keys.request_id}/combine",
                            combine_tokens=keys.total_tokens - keys.prefix_tokens(depth), prefix=prefix,
                            segments=tuple(segments), pc_keys=keys.pc_keys, segment_tokens=keys.tokens)
+
+    def _pinned_source(self, keys: RequestKeys, index: int, home: int, now: float) -> SegmentPlan:
+        key, tokens = keys.content_ids[index], keys.tokens[index]
+        holders = self.view.holders(CacheKind.PIC, key, now) if self.policy.name == "nebula" else {}
+        if holders:
+            source, record = min(holders.items(),
+                                 key=lambda item: (self.costs.copy_cost(item[1].tier, item[0], home), item[0]))
+            if self.costs.load_beats_recompute(record.tier, source, home):
+                return SegmentPlan(index, key, tokens, source, Action.REUSE, tier=record.tier)
+        return SegmentPlan(index, key, tokens, home, Action.COMPUTE, task_id=f"{keys.request_id}/scatter/{index}")
 
     def on_event(self, event: WorkerEvent, now: float) -> bool:
         self.view.expire(now)

@@ -16,8 +16,11 @@ class CacheKind(str, enum.Enum):
 
 
 class Tier(str, enum.Enum):
+    """Where a worker holds a copy, fastest first (the names workers report: kvcache.events.Tier)."""
+
     DEVICE = "device"
     HOST = "host"
+    DISK = "disk"
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import heapq
 import logging
+import math
 import random
 from bisect import bisect_right
 from dataclasses import dataclass
@@ -42,11 +43,12 @@ logger = logging.getLogger(__name__)
 
 class TransferCosts:
     """d(w -> c) for every pair, stored by destination: ``to[c][w]`` (and as ``matrix[c, w]`` for the
-    compiled planner). Built once per profile and not modified afterwards."""
+    compiled planner), and the per-token cost of reading a copy from each tier. A tier without a cost
+    cannot be read (infinite cost). Built once per profile and not modified afterwards."""
 
     def __init__(self, to: Sequence[Sequence[float]], tier_cost: dict[Tier, float] | None = None):
         self.to = [list(column) for column in to]
-        self.tier_cost = {Tier.DEVICE: 0.0, **(tier_cost or {})}
+        self.tier_cost = {**{tier: math.inf for tier in Tier}, **(tier_cost or {}), Tier.DEVICE: 0.0}
         self.num_workers = len(self.to)
         self.matrix = np.array(self.to, dtype=np.float64).reshape(self.num_workers, self.num_workers)
 
@@ -54,11 +56,16 @@ class TransferCosts:
     def from_profile(cls, profile: ClusterProfile, num_workers: int) -> "TransferCosts":
         to = [[profile.relative_transfer_cost(w, c) for w in range(num_workers)]
               for c in range(num_workers)]
-        return cls(to, {Tier.HOST: profile.host_load_cost()})
+        return cls(to, {tier: profile.tier_cost(tier) for tier in Tier})
 
-    def load_beats_recompute(self, tier: Tier, src: int, dst: int) -> bool:
-        """For a copy only on ``tier``: is reading and moving it cheaper than recomputing it?"""
-        return self.tier_cost[tier] + self.to[dst][src] < 1.0
+    def copy_cost(self, tier: Tier, src: int, home: int) -> float:
+        """Per-token cost, in prefill tokens, of reading a copy on ``tier`` at ``src`` and moving it to ``home``."""
+        return self.tier_cost[tier] + self.to[home][src]
+
+    def load_beats_recompute(self, tier: Tier, src: int, home: int) -> bool:
+        """Is reading the copy on ``tier`` at ``src`` and moving it to ``home`` cheaper than recomputing it
+        (one prefill token per token)?"""
+        return self.copy_cost(tier, src, home) < 1.0
 
 
 @dataclass(frozen=True)
@@ -91,10 +98,11 @@ def worker_time(queue: float, computed: float, d: float, fixed: float) -> float:
 
 
 def hit_source(hit: Hit, home: int, costs: TransferCosts) -> int:
-    """The copy a plan with this home reads: its own if it has one, else the cheapest to move."""
+    """The copy a plan with this home reads: the cheapest to load and move there (its own device copy costs
+    nothing); on a tie the home's own copy, then the lowest worker id."""
     column = costs.to[home]
     return min(hit.holders,
-               key=lambda h: (h[0] != home, column[h[0]] + costs.tier_cost[h[1]], h[0]))[0]
+               key=lambda h: (column[h[0]] + costs.tier_cost[h[1]], h[0] != home, h[0]))[0]
 
 
 TIERS = tuple(Tier)
@@ -159,20 +167,26 @@ def supplied_by_source(hits: Sequence[Hit], costs: TransferCosts) -> tuple[np.nd
             single[TIER_INDEX[tier]][src] += hit.num_tokens
         else:
             multi.append(hit)
-    rows = [single] if not multi else [add_hits(single, multi, home, costs)
-                                       for home in range(costs.num_workers)]
-    return summarise_rows(np.array(rows, dtype=np.int64), costs)
+    rows = np.array([single], dtype=np.int64) if not multi else rows_per_home(single, multi, costs)
+    return summarise_rows(rows, costs)
 
 
-def add_hits(base: list[list[int]], hits: Sequence[Hit], home: int,
-             costs: TransferCosts) -> list[list[int]]:
-    """``base`` ([tier][source] tokens) plus ``hits``, each read from the copy ``home`` would use."""
-    by_tier = [list(tokens) for tokens in base]
-    for hit in hits:
-        src = hit_source(hit, home, costs)
-        tier = next(t for w, t in hit.holders if w == src)
-        by_tier[TIER_INDEX[tier]][src] += hit.num_tokens
-    return by_tier
+def rows_per_home(single: list[list[int]], hits: Sequence[Hit], costs: TransferCosts) -> np.ndarray:
+    """[home, tier, source] tokens: ``single`` plus every multi-copy hit read from the copy ``hit_source`` picks
+    for that home (the same keys in the same order: cost, then the home's own copy, then the lowest id)."""
+    hit_ids = np.array([i for i, hit in enumerate(hits) for _ in hit.holders], dtype=np.int64)
+    workers = np.array([w for hit in hits for w, _ in hit.holders], dtype=np.int64)
+    tiers = np.array([TIER_INDEX[t] for hit in hits for _, t in hit.holders], dtype=np.int64)
+    tier_cost = np.array([costs.tier_cost[TIERS[t]] for t in tiers], dtype=np.float64)
+    tokens = np.array([hit.num_tokens for hit in hits for _ in hit.holders], dtype=np.int64)
+    rows = np.repeat(np.array([single], dtype=np.int64), costs.num_workers, axis=0)
+    for home in range(costs.num_workers):
+        cost = costs.matrix[home, workers] + tier_cost
+        order = np.lexsort((workers, workers != home, cost, hit_ids))  # by hit, then hit_source's key
+        ordered = hit_ids[order]
+        first = order[np.concatenate(([True], ordered[1:] != ordered[:-1]))]
+        np.add.at(rows[home], (tiers[first], workers[first]), tokens[first])
+    return rows
 
 
 def summarise_rows(by_tier: np.ndarray, costs: TransferCosts) -> tuple[np.ndarray, np.ndarray]:

@@ -27,12 +27,13 @@ class Policy(ABC):
 
     name: str = ""
     default_view: str = "nebula"
+    default_cache: str = "self-tuning"  # workers' eviction rule when the caller names none
 
     def __init__(self, config: ClusterConfig, costs: TransferCosts, scheduler: str = "greedy"):
         self.config = config
         self.costs = costs
         self.rng = random.Random(config.seed)
-        self.recompute_ratio = config.profile.pic_recompute_ratio
+        self.combine_ratio = config.profile.combine_ratio
 
     @abstractmethod
     def plan(self, keys: RequestKeys, view: ClusterView, now: float) -> PrefillPlan:
@@ -51,6 +52,7 @@ class PrefixAwarePolicy(Policy):
 
     name = "pc"
     default_view = "event"
+    default_cache = "unified-lru"  # SGLang's radix cache: plain LRU over every entry, no PC/PIC share
 
     def route(self, keys: RequestKeys, view: ClusterView, now: float) -> tuple[int, int]:
         """(worker, prefix segments it already holds); ties broken uniformly at random."""
@@ -96,36 +98,62 @@ class NebulaPolicy(Policy):
     def plan(self, keys: RequestKeys, view: ClusterView, now: float) -> PrefillPlan:
         depths = view.prefix_matches(keys.pc_keys, now)
         depth = max(depths.values(), default=0)
+        prefix_holders = tuple((w, Tier.DEVICE) for w, d in sorted(depths.items()) if d == depth)
+        holders = {}  # first copy of each PIC content past the prefix -> its live holders
+        for i in keys.pic_indices:
+            if i >= depth and keys.content_ids[i] not in holders:
+                holders[keys.content_ids[i]] = self._holders(view, keys.content_ids[i], now)
+        while True:  # re-planned only when a slow-tier copy turns out dearer than recomputing at the home
+            problem, hit_index, cold_index = self._problem(keys, view, depth, prefix_holders, holders)
+            placed = self.scheduler.place(problem)
+            too_dear = self._dearer_than_recompute(keys, problem, placed, hit_index)
+            if not too_dear:
+                break
+            for content in too_dear:
+                holders[content] = ()
+        plan = self._to_plan(keys, placed, problem, hit_index, cold_index, depth)
+        return self._with_repeats(plan, keys, depth)
+
+    @staticmethod
+    def _holders(view: ClusterView, key: str, now: float) -> tuple[tuple[int, Tier], ...]:
+        return tuple((w, r.tier) for w, r in sorted(view.holders(CacheKind.PIC, key, now).items()))
+
+    def combine_cost(self, keys: RequestKeys, depth: int) -> float:
+        """C of §7.2 in prefill tokens: the regular tokens past the prefix, plus the backend's combine cost of
+        every PIC token past it (measured per backend: ``ClusterProfile.combine_cost``)."""
+        pic = set(keys.pic_indices)
+        return sum(keys.tokens[i] * (self.combine_ratio if i in pic else 1.0) for i in range(depth, len(keys.tokens)))
+
+    def _problem(self, keys, view, depth, prefix_holders, holders):
         hits, hit_index, cold, cold_index = [], [], [], []
         if depth:
-            holders = tuple((w, Tier.DEVICE) for w, d in sorted(depths.items()) if d == depth)
-            hits.append(Hit(keys.prefix_tokens(depth), holders))
+            hits.append(Hit(keys.prefix_tokens(depth), prefix_holders))
             hit_index.append(-1)
-        combine = sum(keys.tokens[depth:]) - sum(keys.tokens[i] for i in keys.pic_indices if i >= depth)
-        first_of: dict[str, int] = {}  # a segment repeated inside the request is placed once
+        seen = set()
         for i in keys.pic_indices:
-            if i < depth:
-                continue
-            combine += self.recompute_ratio * keys.tokens[i]
-            if first_of.setdefault(keys.content_ids[i], i) != i:
-                continue
-            holders = self._usable_holders(view, keys.content_ids[i], now)
-            if holders:
-                hits.append(Hit(keys.tokens[i], holders))
+            content = keys.content_ids[i]
+            if i < depth or content in seen:
+                continue  # a segment repeated inside the request is placed once
+            seen.add(content)
+            if holders[content]:
+                hits.append(Hit(keys.tokens[i], holders[content]))
                 hit_index.append(i)
             else:
                 cold.append(keys.tokens[i])
                 cold_index.append(i)
-        problem = PlanningProblem(tuple(hits), tuple(cold), tuple(view.outstanding()), combine)
-        placed = self.scheduler.place(problem)
-        plan = self._to_plan(keys, placed, problem, hit_index, cold_index, depth)
-        return self._with_repeats(plan, keys, first_of)
+        problem = PlanningProblem(tuple(hits), tuple(cold), tuple(view.outstanding()), self.combine_cost(keys, depth))
+        return problem, hit_index, cold_index
 
-    def _usable_holders(self, view: ClusterView, key: str, now: float) -> tuple[tuple[int, Tier], ...]:
-        """Holders worth reading from: a slow-tier copy only if loading it beats recomputing."""
-        found = sorted(view.holders(CacheKind.PIC, key, now).items())
-        return tuple((w, r.tier) for w, r in found
-                     if r.tier is Tier.DEVICE or self.costs.load_beats_recompute(r.tier, w, w))
+    def _dearer_than_recompute(self, keys, problem, placed, hit_index) -> list[str]:
+        """Contents of hits read from a slow tier whose copy costs more to load and move to the home than to
+        recompute it (§7.2's d(w -> c) plus the tier's read cost, against one prefill token per token).
+        Device copies are always reused, as Algorithm 1 does."""
+        dear = []
+        for index, hit, src in zip(hit_index, problem.hits, placed.hit_sources):
+            tier = next(t for w, t in hit.holders if w == src)
+            if index >= 0 and tier is not Tier.DEVICE and not self.costs.load_beats_recompute(tier, src, placed.home):
+                dear.append(keys.content_ids[index])
+        return dear
 
     def _to_plan(self, keys, placed, problem, hit_index, cold_index, depth) -> PrefillPlan:
         home, prefix, segments = placed.home, None, []
@@ -144,17 +172,17 @@ class NebulaPolicy(Policy):
 
 
     @staticmethod
-    def _with_repeats(plan: PrefillPlan, keys: RequestKeys, first_of: dict[str, int]) -> PrefillPlan:
-        """Later copies of a segment reuse the first copy's KV from wherever the plan puts it."""
-        repeats = [i for i in keys.pic_indices if first_of.get(keys.content_ids[i], i) != i]
-        if not repeats:
+    def _with_repeats(plan: PrefillPlan, keys: RequestKeys, depth: int) -> PrefillPlan:
+        """Later copies of a segment reuse the first copy's KV from wherever the plan puts it.
+
+        Only copies past the prefix hit are planned: one inside it is already covered by the prefix."""
+        placed = {s.key: s for s in plan.segments}
+        extra = [i for i in keys.pic_indices if i >= depth and placed[keys.content_ids[i]].index != i]
+        if not extra:
             return plan
-        placed = {s.index: s for s in plan.segments}
-        extra = []
-        for i in repeats:
-            first = placed[first_of[keys.content_ids[i]]]
-            extra.append(SegmentPlan(i, first.key, first.num_tokens, first.worker, Action.REUSE, tier=first.tier))
-        return replace(plan, segments=tuple(sorted(plan.segments + tuple(extra), key=lambda s: s.index)))
+        repeats = tuple(SegmentPlan(i, keys.content_ids[i], keys.tokens[i], placed[keys.content_ids[i]].worker,
+                                    Action.REUSE, tier=placed[keys.content_ids[i]].tier) for i in extra)
+        return replace(plan, segments=tuple(sorted(plan.segments + repeats, key=lambda s: s.index)))
 
 
 POLICIES: dict[str, type[Policy]] = {p.name: p for p in (PrefixAwarePolicy, LocalPicPolicy, NebulaPolicy)}
@@ -176,6 +204,14 @@ def view_config(name: str, config: ClusterConfig) -> ViewConfig:
 
 VIEWS = ("nebula", "optimistic", "event")
 CACHES = {"self-tuning": "soft-share", "unified-lru": "unified-lru", "fixed-partition": "fixed-partition"}
+
+
+def default_cache(policy: str) -> str:
+    """The workers' cache rule a policy runs with unless told otherwise: the baselines keep their plain
+    policy (SGLang's LRU radix cache, §9.1), Nebula its self-tuning share (§6)."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; choose from {sorted(POLICIES)}")
+    return POLICIES[policy].default_cache
 
 
 def make_policy(name: str, config: ClusterConfig, costs: TransferCosts, scheduler: str = "greedy") -> Policy:

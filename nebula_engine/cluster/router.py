@@ -56,7 +56,6 @@ class RouterService:
         self.in_flight: dict[str, InFlight] = {}
         self.last_seen: dict[str, float] = {}
         self.dead: set[str] = set()
-        self._event_seq: dict[int, int] = {}
         self.num_planned = 0
         self.num_lost = 0
 
@@ -65,7 +64,6 @@ class RouterService:
         """This peer just became the leader: fresh view, ask every prefill worker for its cache index."""
         self.control = ControlPlane(self.config, self.policy)
         self.in_flight.clear()
-        self._event_seq.clear()
         now = self.clock()
         self.last_seen = {peer: now for peer in self.prefill_peers + self.decode_peers}
         self.dead = set()
@@ -138,7 +136,7 @@ class RouterService:
         if not self.active:
             return
         self.seen(msg.sender)
-        self.control.on_event(DoneEvent(msg.worker_index, self._next_seq(msg.worker_index), msg.task_id), self.clock())
+        self.control.on_event(DoneEvent(msg.worker_index, msg.seq, msg.task_id), self.clock())
         flight = self.in_flight.get(msg.request_id)
         if flight is not None and msg.task_id == flight.combine_task:
             del self.in_flight[msg.request_id]
@@ -148,19 +146,14 @@ class RouterService:
             return
         self.seen(msg.sender)
         worker, now = msg.worker_index, self.clock()
-        if msg.snapshot:
+        if msg.snapshot:  # also restarts the worker's numbering: a restarted worker counts from 1 again
             self.control.view.forget_worker(worker)
-        for event in msg.events:
-            kind, tier = CacheKind(event.kind), Tier.DEVICE if event.tier == "device" else Tier.HOST
-            seq = self._next_seq(worker)
+        for seq, event in enumerate(msg.events, start=msg.first_seq):
+            kind, tier = CacheKind(event.kind), Tier(event.tier)
             if event.op == "store":
                 self.control.on_event(StoreEvent(worker, seq, kind, event.key, event.num_tokens, tier), now)
             else:
                 self.control.on_event(EvictEvent(worker, seq, kind, event.key, tier), now)
-
-    def _next_seq(self, worker: int) -> int:
-        self._event_seq[worker] = self._event_seq.get(worker, 0) + 1
-        return self._event_seq[worker]
 
     def seen(self, peer: str) -> None:
         self.last_seen[peer] = self.clock()

@@ -1,14 +1,27 @@
-"""Discrete-event simulator of N prefill workers and one decode worker, driven by the real
-control plane (view, cache manager, policy/planner) through worker events delivered after a delay.
+"""Discrete-event simulator of N prefill workers and one decode worker, driven by the real control plane
+(view, cache manager, policy/planner) through worker events delivered after a delay.
 
-Each prefill worker runs one job at a time from a FIFO; combine prefills whose KV is ready go ahead
-of queued scatter prefills (§7.2). Prefill time and transfer time come from the profile. Requests
-arrive as a Poisson process at ``qps`` in the trace's original order. Deterministic for a seed.
+The data plane does what the workers do (``cluster/worker.py`` and the engine under it):
+- a scatter task prefills one PIC segment alone on its worker and stores it there (store event), unless
+  the worker already holds it (a host copy is promoted first);
+- the combine home fetches every remote source: the holder serves it from its device, promotes it from
+  its host tier, or waits for its in-flight computation; the KV crosses the link and is stored at the home
+  (store event); a source that is gone is recomputed at the home (an invalid hit);
+- the home's engine matches the request against its own cache when it admits the combine: the prefix
+  chain (device or host), each PIC segment past it; cold PIC segments are prefilled alone inside the
+  combine's forward and stored, the rest costs ``ClusterProfile.combine_cost`` per reused PIC token;
+  the prompt's prefix chain is stored afterwards; the KV is handed to the decode worker.
 
-Simplifications: TTFT ends when the request's KV reaches the decode worker (one output token, so
-decode compute is not modelled); transfers do not contend for links; only the device tier is
-simulated (the planner's slow-tier rule is exercised by unit tests); a reused copy is read at
-dispatch, so an eviction after dispatch does not invalidate it.
+Compute: each worker runs batched forwards of at most ``max_batch_tokens`` new tokens, combines first
+(a combine is never chunked and runs alone when it exceeds the budget), then scatters (chunked);
+workers sharing a machine share its processors. Transfers queue on the ports of their links. The KV of
+running requests is pinned in the device pool; evicted entries are demoted to the host tier.
+
+Requests arrive as a Poisson process at ``qps`` in the trace's order (or at given offsets). TTFT ends at
+the first token: after the hand-off to the decode worker (SGLang's PD path, the paper's setting) or when
+the prefill finishes (this engine's cluster, which streams the first token from the prefill peer).
+Deterministic for a seed. Not modelled: decode compute, router CPU time, message latency other than
+event delivery and link latency.
 """
 
 from __future__ import annotations
@@ -22,12 +35,13 @@ from typing import Callable, Sequence
 
 from nebula_engine.cluster.config import ClusterConfig
 from nebula_engine.cluster.control_plane import ControlPlane
-from nebula_engine.cluster.messages import (Action, CacheKind, DoneEvent, EvictEvent, PrefillPlan,
-                                            StoreEvent)
-from nebula_engine.cluster.policies import CACHES
+from nebula_engine.cluster.messages import (Action, CacheKind, DoneEvent, EvictEvent, PrefillPlan, StoreEvent,
+                                            Tier)
+from nebula_engine.cluster.policies import CACHES, default_cache
 from nebula_engine.cluster.request_keys import RequestKeys
+from nebula_engine.cluster.sim_hardware import Links, make_processors
 from nebula_engine.cluster.sim_report import Counters, SimulationReport
-from nebula_engine.cluster.worker_cache import WorkerCache
+from nebula_engine.cluster.worker_cache import CacheChange, WorkerCache
 from nebula_engine.workloads.request import Request
 
 
@@ -36,25 +50,17 @@ class SimulationConfig:
     cluster: ClusterConfig = ClusterConfig()
     policy: str = "nebula"
     view: str | None = None  # None: the policy's default (event-driven for the Dynamo baselines)
-    cache: str = "self-tuning"
+    cache: str | None = None  # None: the policy's default (plain LRU for the baselines, self-tuning for nebula)
     scheduler: str = "greedy"
     qps: float = 8.0
     ttft_slo_s: float = 1.0
     warmup_requests: int = 0
+    ttft_includes_handoff: bool = True
+    arrival_offsets: tuple[float, ...] | None = None  # arrival times instead of a Poisson process at qps
 
-
-@dataclass
-class Job:
-    seconds: float
-    kv_tokens: int  # KV the job holds in the worker's pool while it runs
-    on_done: Callable[[float], None]
-
-
-@dataclass
-class WorkerQueue:
-    scatter: deque = field(default_factory=deque)
-    combine: deque = field(default_factory=deque)
-    busy: bool = False
+    @property
+    def cache_name(self) -> str:
+        return self.cache or default_cache(self.policy)
 
 
 @dataclass
@@ -62,27 +68,69 @@ class RequestState:
     keys: RequestKeys
     plan: PrefillPlan
     arrival: float
+    index: int  # position in arrival order
     measured: bool
-    pending: int = 1  # inputs not yet ready; starts at 1 so dispatch itself holds it open
+    pending: int = 1  # inputs not yet at the home; dispatch itself holds one
     ready_at: float = 0.0
-    combine_work: float = 0.0
+    computed_for_it: set[str] = field(default_factory=set)  # PIC keys scatter-prefilled for this request
+
+
+@dataclass
+class ScatterJob:
+    key: str
+    tokens: int
+    task_id: str
+    measured: bool
+    done_tokens: int = 0
+
+
+@dataclass
+class CombineWork:
+    """What the home's engine does for one request, decided when it admits the combine."""
+
+    sequences: list[tuple[float, float]]  # (new tokens, context) of each forward sequence
+    cold: list[tuple[str, int]]  # PIC segments prefilled alone here, then stored
+    promoted: list[tuple[CacheKind, str, int]]  # host copies moved to the device before the forward
+    hit_tokens: int
+    host_tokens: int
+    pinned: int  # new KV pages the request holds until its hand-off
+
+    @property
+    def tokens(self) -> float:
+        return sum(n for n, _ in self.sequences)
+
+
+@dataclass
+class WorkerQueue:
+    combines: deque = field(default_factory=deque)
+    scatters: deque = field(default_factory=deque)
+    busy: bool = False
 
 
 class Simulator:
     def __init__(self, config: SimulationConfig, requests: Sequence[Request]):
-        if config.cache not in CACHES:
-            raise ValueError(f"unknown cache {config.cache!r}; choose from {sorted(CACHES)}")
+        if config.cache_name not in CACHES:
+            raise ValueError(f"unknown cache {config.cache_name!r}; choose from {sorted(CACHES)}")
         cluster = config.cluster
         self.config, self.cluster, self.profile = config, cluster, cluster.profile
         self.requests = list(requests)
         self.control = ControlPlane(cluster, config.policy, config.view, config.scheduler)
-        self.self_tuning = config.cache == "self-tuning"
+        self.self_tuning = config.cache_name == "self-tuning"
+        self.uses_pic = config.policy != "pc"
         n = cluster.num_prefill_workers
-        self.caches = [WorkerCache(self.profile.cache_capacity_tokens, CACHES[config.cache],
-                                   cluster.cache_manager.initial_pc_share) for _ in range(n)]
+        self.caches = [WorkerCache(self.profile.cache_capacity_tokens, CACHES[config.cache_name],
+                                   cluster.cache_manager.initial_pc_share, self.profile.host_capacity_tokens)
+                       for _ in range(n)]
         self.queues = [WorkerQueue() for _ in range(n)]
-        self.producing: dict[tuple[int, CacheKind, str], list[Callable[[float], None]]] = {}
-        self.seq = [itertools.count() for _ in range(n)]
+        self.processors = make_processors(self.profile, n, self.at)
+        self.links = Links(self.profile)
+        self.producing: dict[tuple[int, str], list[Callable[[float], None]]] = {}  # (worker, PIC key) -> waiters
+        self.producing_pc: dict[tuple[int, str], list[Callable[[float], None]]] = {}  # (home, chain key) -> waiters
+        # content id or chain key -> the first request (arrival order) that carried it. A reuse counts as a hit
+        # only of what an earlier request brought, as in the reuse analysis: a request admitted late may find
+        # what a later one computed meanwhile, which saves it time but is no cache hit
+        self.first_seen: dict[str, int] = {}
+        self.seq = [itertools.count(1) for _ in range(n)]
         self.heap: list = []
         self.tick = itertools.count()
         self.counters = Counters(computed_tokens=[0.0] * n)
@@ -95,19 +143,27 @@ class Simulator:
         heapq.heappush(self.heap, (time, next(self.tick), action))
 
     def run(self) -> SimulationReport:
-        rng = random.Random(self.cluster.seed)
-        arrival = 0.0
-        for index, request in enumerate(self.requests):
-            arrival += rng.expovariate(self.config.qps)
+        for index, (request, arrival) in enumerate(zip(self.requests, self._arrivals())):
             self.at(arrival, lambda now, r=request, i=index: self._arrive(r, i, now))
         while self.heap:
             time, _, action = heapq.heappop(self.heap)
             action(time)
         return self._report(self._measured_start)
 
+    def _arrivals(self) -> list[float]:
+        if self.config.arrival_offsets is not None:
+            if len(self.config.arrival_offsets) < len(self.requests):
+                raise ValueError("fewer arrival offsets than requests")
+            return list(self.config.arrival_offsets)
+        rng, arrival, times = random.Random(self.cluster.seed), 0.0, []
+        for _ in self.requests:
+            arrival += rng.expovariate(self.config.qps)
+            times.append(arrival)
+        return times
+
     def _report(self, first_measured: float) -> SimulationReport:
         config = self.config
-        settings = dict(policy=config.policy, view=self.control.view_name, cache=config.cache,
+        settings = dict(policy=config.policy, view=self.control.view_name, cache=config.cache_name,
                         scheduler=config.scheduler if config.policy == "nebula" else "-", qps=config.qps)
         return SimulationReport.build(settings, self.ttfts, self.counters,
                                       self.last_completion - first_measured, config.ttft_slo_s,
@@ -120,184 +176,314 @@ class Simulator:
         if index == self.config.warmup_requests:
             self._measured_start = now
         decision = self.control.on_request(keys, now)
-        if decision.pc_share is not None and self.self_tuning:
+        if decision.tier_shares is not None and self.self_tuning:
             for cache in self.caches:
-                cache.pc_share = decision.pc_share
-        state = RequestState(keys, decision.plan, now, measured, ready_at=now)
+                cache.set_shares(decision.tier_shares)
+        state = RequestState(keys, decision.plan, now, index, measured, ready_at=now)
+        for key in (*keys.content_ids, *keys.pc_keys):
+            self.first_seen.setdefault(key, index)
         if measured:
             self.counters.input_tokens += keys.total_tokens
         self._dispatch(state, now)
 
-    def _emit(self, worker: int, make_event: Callable[[int], object], now: float) -> None:
-        event = make_event(next(self.seq[worker]))
+    def _emit(self, worker: int, event_of: Callable[[int], object], now: float) -> None:
+        event = event_of(next(self.seq[worker]))
         self.at(now + self.cluster.event_delay_s, lambda t, e=event: self.control.on_event(e, t))
+
+    def _apply(self, worker: int, changes: list[CacheChange], now: float) -> None:
+        """Report cache changes as the worker does: a tier move is an evict there and a store here."""
+        for change in changes:
+            if change.src is not None:
+                self._emit(worker, lambda s, c=change: EvictEvent(worker, s, c.kind, c.key, c.src), now)
+            if change.dst is not None:
+                self._emit(worker, lambda s, c=change: StoreEvent(worker, s, c.kind, c.key, c.num_tokens, c.dst),
+                           now)
 
     # ---- dispatch of one plan -----------------------------------------------------------------
     def _dispatch(self, state: RequestState, now: float) -> None:
-        plan, keys = state.plan, state.keys
-        valid_depth = self._use_prefix(state, now)
-        planned = {s.index for s in plan.segments}
-        state.combine_work = sum(t for i, t in enumerate(keys.tokens)
-                                 if i >= valid_depth and i not in planned)
-        for segment in plan.segments:
-            state.combine_work += self.profile.pic_recompute_ratio * segment.num_tokens
-            if segment.action is Action.COMPUTE:
-                self._compute(state, segment.index, segment.worker, segment.task_id, now)
-            elif segment.action is Action.REUSE:
-                self._reuse(state, segment.index, segment.worker, now)
-            else:
-                self._local(state, segment.index, now)
+        plan, home = state.plan, state.plan.combine_home
+        if plan.prefix is not None and plan.prefix.worker != home:
+            self._fetch_prefix(state, plan.prefix.worker, plan.prefix.num_segments, now)
         for key in plan.pc_keys:
-            self.producing.setdefault((plan.combine_home, CacheKind.PC, key), [])
+            self.producing_pc.setdefault((home, key), [])
+        for segment in plan.segments:
+            if segment.action is Action.COMPUTE:  # the home too starts its share at once (§4.2, Alg. 1's P_c)
+                self._count_repeat(state, segment.key, segment.num_tokens, segment.worker)
+                self.producing.setdefault((segment.worker, segment.key), [])
+                state.pending += 1
+                self._scatter_task(state, segment.key, segment.num_tokens, segment.worker, segment.task_id, now)
+            elif segment.action is Action.REUSE:
+                self._reuse(state, segment.key, segment.num_tokens, segment.worker, now)
         self._input_ready(state, now)
 
-    def _use_prefix(self, state: RequestState, now: float) -> int:
-        """Wait for (or move) the planned prefix; returns how many segments it really covers."""
-        prefix, keys = state.plan.prefix, state.keys
-        if prefix is None:
-            return 0
-        cache, depth = self.caches[prefix.worker], 0
-        for depth in range(prefix.num_segments):
-            key = keys.pc_keys[depth]
-            if not cache.has(CacheKind.PC, key) and not self._is_producing(prefix.worker, CacheKind.PC, key):
-                break
-        else:
-            depth = prefix.num_segments
-        planned_tokens = keys.prefix_tokens(prefix.num_segments)
-        self._count(state, "invalid_hit_tokens", planned_tokens - keys.prefix_tokens(depth))
-        self._count(state, "hit_tokens", keys.prefix_tokens(depth))
-        for key in reversed(keys.pc_keys[:depth]):
-            cache.touch(CacheKind.PC, key)
-        pending = [k for k in keys.pc_keys[:depth] if not cache.has(CacheKind.PC, k)]
-        tokens = keys.prefix_tokens(depth)
-        for key in pending[:-1]:  # chain entries still being computed: wait for all, move once
-            self._wait(state, prefix.worker, CacheKind.PC, key, 0)
-        if pending:
-            self._wait(state, prefix.worker, CacheKind.PC, pending[-1], tokens)
-        elif depth:
-            self._arrive_at_home(state, prefix.worker, tokens, now)
-        return depth
+    def _count_repeat(self, state: RequestState, key: str, tokens: int, worker: int) -> None:
+        """A directory miss on work in flight elsewhere: the segment is prefilled twice."""
+        if any((w, key) in self.producing for w in range(len(self.caches)) if w != worker):
+            self._count(state, "repeated_tokens", tokens)
 
-    def _compute(self, state: RequestState, index: int, worker: int, task_id: str, now: float) -> None:
-        key, tokens = state.keys.content_ids[index], state.keys.tokens[index]
-        if any(self._is_producing(w, CacheKind.PIC, key) for w in range(len(self.caches))):
-            self._count(state, "repeated_tokens", tokens)  # a directory miss on in-flight work
-        self._scatter(state, worker, key, tokens, task_id, now)
-
-    def _reuse(self, state: RequestState, index: int, worker: int, now: float) -> None:
-        key, tokens = state.keys.content_ids[index], state.keys.tokens[index]
-        if self.caches[worker].has(CacheKind.PIC, key):
-            self.caches[worker].touch(CacheKind.PIC, key)
-            self._count(state, "hit_tokens", tokens)
-            self._arrive_at_home(state, worker, tokens, now)
-        elif self._is_producing(worker, CacheKind.PIC, key):
-            self._count(state, "hit_tokens", tokens)
-            self._wait(state, worker, CacheKind.PIC, key, tokens)
-        else:  # neither cached nor in flight there: the home recomputes it in the combine prefill
-            self._count(state, "invalid_hit_tokens", tokens)
-            state.combine_work += tokens
-
-    def _local(self, state: RequestState, index: int, now: float) -> None:
+    def _reuse(self, state: RequestState, key: str, tokens: int, worker: int, now: float) -> None:
         home = state.plan.combine_home
-        key, tokens = state.keys.content_ids[index], state.keys.tokens[index]
-        if self.caches[home].has(CacheKind.PIC, key) or self._is_producing(home, CacheKind.PIC, key):
-            self._reuse(state, index, home, now)
-        else:
-            self._scatter(state, home, key, tokens, "", now)
-
-    # ---- data movement ------------------------------------------------------------------------
-    def _is_producing(self, worker: int, kind: CacheKind, key: str) -> bool:
-        return (worker, kind, key) in self.producing
-
-    def _wait(self, state: RequestState, worker: int, kind: CacheKind, key: str, tokens: int) -> None:
-        state.pending += 1
-        self.producing[(worker, kind, key)].append(
-            lambda t: self._arrive_at_home(state, worker, tokens, t, counted=True))
-
-    def _arrive_at_home(self, state: RequestState, src: int, tokens: int, now: float,
-                        counted: bool = False) -> None:
-        """KV of ``tokens`` tokens is ready on ``src`` at ``now``; it reaches the home after the move."""
-        home = state.plan.combine_home
-        if src != home:
-            self._count(state, "transferred_bytes", tokens * self.profile.kv_bytes_per_token)
-        if not counted:
+        if worker != home:
             state.pending += 1
-        self._input_ready(state, now + self.profile.transfer_seconds(src, home, tokens))
+            self._fetch(state, key, tokens, worker, now)
+        elif (home, key) in self.producing:
+            state.pending += 1
+            self.producing[(home, key)].append(lambda t: self._input_ready(state, t))
+        elif self.caches[home].tier_of(CacheKind.PIC, key) is None:
+            self._count(state, "invalid_hit_tokens", tokens)  # the home recomputes it when it admits the combine
 
-    def _scatter(self, state: RequestState, worker: int, key: str, tokens: int, task_id: str,
-                 now: float) -> None:
-        producer = (worker, CacheKind.PIC, key)
-        self.producing.setdefault(producer, [])
-        self._wait(state, worker, CacheKind.PIC, key, tokens)
+    def _fetch(self, state: RequestState, key: str, tokens: int, src: int, now: float) -> None:
+        """Pin ``key`` on ``src`` (one link latency away), then move it to the home and store it there."""
+        home = state.plan.combine_home
+        asked = now + self.profile.link(src, home).latency_s
 
-        def done(t: float) -> None:
-            self._store(worker, CacheKind.PIC, [(key, tokens)], t)
-            if task_id:
-                self._emit(worker, lambda s: DoneEvent(worker, s, task_id), t)
+        def serve(t: float) -> None:
+            self._serve_pin(state, src, key, tokens, t, lambda ready: self._send_home(state, src, key, tokens, ready))
 
-        self._count(state, "computed", tokens, worker)
-        self._enqueue(worker, Job(self.profile.prefill.seconds(tokens), tokens, done), combine=False, now=now)
+        self.at(asked, serve)
 
-    def _store(self, worker: int, kind: CacheKind, entries: list[tuple[str, int]], now: float) -> None:
-        cache = self.caches[worker]
-        for key, tokens in entries:
-            stored, evicted = cache.store(kind, key, tokens)
-            if stored:
-                self._emit(worker, lambda s, k=key, n=tokens: StoreEvent(worker, s, kind, k, n), now)
-            self._emit_evictions(worker, evicted, now)
-        for key, _ in entries:
-            for waiter in self.producing.pop((worker, kind, key), []):
-                waiter(now)
+    def _serve_pin(self, state, src: int, key: str, tokens: int, now: float, send: Callable[[float], None]) -> None:
+        tier = self.caches[src].tier_of(CacheKind.PIC, key)
+        if tier is Tier.DEVICE:
+            self.caches[src].touch(CacheKind.PIC, key)
+            send(now)
+        elif tier is Tier.HOST:
+            send(self._promote(src, CacheKind.PIC, key, tokens, now))
+        elif (src, key) in self.producing:
+            self.producing[(src, key)].append(send)
+        else:  # neither cached nor in flight there: the home recomputes it
+            self._count(state, "invalid_hit_tokens", tokens)
+            self._input_ready(state, now)
 
-    def _emit_evictions(self, worker: int, evicted: list[tuple[CacheKind, str]], now: float) -> None:
-        for kind, key in evicted:
-            self._emit(worker, lambda s, k=kind, v=key: EvictEvent(worker, s, k, v), now)
+    def _promote(self, worker: int, kind: CacheKind, key: str, tokens: int, now: float) -> float:
+        """Read a host copy back into the device; returns when it is there."""
+        done = self.links.load(worker, self.profile.host_load, tokens * self.profile.kv_bytes_per_token, now)
+        self._apply(worker, self.caches[worker].promote(kind, key), now)
+        return done
 
-    # ---- combine and completion ---------------------------------------------------------------
+    def _send_home(self, state: RequestState, src: int, key: str, tokens: int, now: float) -> None:
+        home = state.plan.combine_home
+        num_bytes = tokens * self.profile.kv_bytes_per_token
+        self._count(state, "transferred_bytes", num_bytes)
+        arrived = self.links.transfer(src, home, num_bytes, now)
+
+        def store(t: float) -> None:
+            self._apply(home, self.caches[home].store(CacheKind.PIC, key, tokens), t)
+            self._input_ready(state, t)
+
+        self.at(arrived, store)
+
+    def _fetch_prefix(self, state: RequestState, worker: int, depth: int, now: float) -> None:
+        """Move the planned prefix chain from its holder to the home: what the holder still has, or is still
+        computing (the pin waits for it, as for a PIC segment), at pin time."""
+        keys, home = state.keys, state.plan.combine_home
+        state.pending += 1
+
+        def serve(t: float) -> None:
+            cache, held, waits_for = self.caches[worker], 0, None
+            while held < depth:
+                key = keys.pc_keys[held]
+                if cache.has(CacheKind.PC, key):
+                    cache.touch(CacheKind.PC, key)
+                elif (worker, key) in self.producing_pc:
+                    waits_for = key
+                else:
+                    break
+                held += 1
+            self._count(state, "invalid_hit_tokens", keys.prefix_tokens(depth) - keys.prefix_tokens(held))
+            if waits_for is None:
+                move(t, held)
+            else:
+                self.producing_pc[(worker, waits_for)].append(lambda ready: move(ready, held))
+
+        def move(t: float, held: int) -> None:
+            num_bytes = keys.prefix_tokens(held) * self.profile.kv_bytes_per_token
+            self._count(state, "transferred_bytes", num_bytes)
+            self.at(self.links.transfer(worker, home, num_bytes, t), lambda end: store(end, held))
+
+        def store(t: float, held: int) -> None:
+            for key, tokens in zip(keys.pc_keys[:held], keys.tokens[:held]):
+                self._apply(home, self.caches[home].store(CacheKind.PC, key, tokens), t)
+            self._input_ready(state, t)
+
+        self.at(now + self.profile.link(worker, home).latency_s, serve)
+
     def _input_ready(self, state: RequestState, ready_at: float) -> None:
         state.ready_at = max(state.ready_at, ready_at)
         state.pending -= 1
         if state.pending == 0:
-            self.at(state.ready_at, lambda t: self._start_combine(state, t))
+            self.at(state.ready_at, lambda t: self._enqueue_combine(state, t))
 
-    def _start_combine(self, state: RequestState, now: float) -> None:
-        home, keys = state.plan.combine_home, state.keys
-        work = state.combine_work
-        seconds = self.profile.prefill.seconds(work, keys.total_tokens - work)
-        self._count(state, "computed", work, home)
-
-        def done(t: float) -> None:
-            self._store(home, CacheKind.PC, list(zip(reversed(keys.pc_keys), reversed(keys.tokens))), t)
-            self._emit(home, lambda s: DoneEvent(home, s, state.plan.combine_task_id), t)
-            decode = self.cluster.decode_worker
-            first_token = t + self.profile.transfer_seconds(home, decode, keys.total_tokens)
-            self.last_completion = max(self.last_completion, first_token)
-            if state.measured:
-                self.ttfts.append(first_token - state.arrival)
-
-        self._enqueue(home, Job(seconds, keys.total_tokens, done), combine=True, now=now)
-
-    def _enqueue(self, worker: int, job: Job, combine: bool, now: float) -> None:
-        queue = self.queues[worker]
-        (queue.combine if combine else queue.scatter).append(job)
-        if not queue.busy:
+    # ---- scatter prefill on a worker ----------------------------------------------------------
+    def _scatter_task(self, state, key: str, tokens: int, worker: int, task_id: str, now: float) -> None:
+        if worker == state.plan.combine_home:
+            self.producing[(worker, key)].append(lambda t: self._input_ready(state, t))
+        else:
+            self.producing[(worker, key)].append(lambda t: self._send_home(state, worker, key, tokens, t))
+        tier = self.caches[worker].tier_of(CacheKind.PIC, key)
+        if tier is Tier.HOST:
+            self.at(self._promote(worker, CacheKind.PIC, key, tokens, now),
+                    lambda t: self._scatter_done(worker, key, tokens, task_id, t))
+        elif tier is Tier.DEVICE:
+            self._scatter_done(worker, key, tokens, task_id, now)
+        else:  # its KV reaches the home as this request's own work, not as a cache hit
+            state.computed_for_it.add(key)
+            self.queues[worker].scatters.append(ScatterJob(key, tokens, task_id, state.measured))
             self._start_next(worker, now)
 
+    def _scatter_done(self, worker: int, key: str, tokens: int, task_id: str, now: float) -> None:
+        self._stored(worker, key, tokens, now)
+        self._emit(worker, lambda s: DoneEvent(worker, s, task_id), now)
+
+    def _stored(self, worker: int, key: str, tokens: int, now: float) -> None:
+        """A PIC segment computed (or found) on ``worker`` is in its store: wake whoever waits for it."""
+        self._apply(worker, self.caches[worker].store(CacheKind.PIC, key, tokens), now)
+        for waiter in self.producing.pop((worker, key), []):
+            waiter(now)
+
+    # ---- the combine on its home --------------------------------------------------------------
+    def _enqueue_combine(self, state: RequestState, now: float) -> None:
+        self.queues[state.plan.combine_home].combines.append(state)
+        self._start_next(state.plan.combine_home, now)
+
+    def _combine_work(self, state: RequestState) -> CombineWork:
+        """The home engine's own match of the request against its cache (no side effects)."""
+        keys, cache = state.keys, self.caches[state.plan.combine_home]
+        depth = 0
+        while depth < len(keys.pc_keys) and cache.tier_of(CacheKind.PC, keys.pc_keys[depth]) is not None:
+            depth += 1
+        prefix = keys.prefix_tokens(depth)
+        earlier = 0  # leading chain entries an earlier request brought
+        while earlier < depth and self.first_seen[keys.pc_keys[earlier]] < state.index:
+            earlier += 1
+        work = CombineWork([], [], [], keys.prefix_tokens(earlier), 0, keys.total_tokens - prefix)
+        for i in range(depth):
+            if cache.tier_of(CacheKind.PC, keys.pc_keys[i]) is Tier.HOST:
+                work.host_tokens += keys.tokens[i] if i < earlier else 0
+                work.promoted.append((CacheKind.PC, keys.pc_keys[i], keys.tokens[i]))
+        pic = set(keys.pic_indices) if self.uses_pic else set()
+        seen: set[str] = set()
+        for i in range(depth, len(keys.tokens)):
+            if i in pic:
+                self._segment_work(state, keys.content_ids[i], keys.tokens[i], seen, work)
+        regular = sum(keys.tokens[i] for i in range(depth, len(keys.tokens)) if i not in pic)
+        reused = sum(keys.tokens[i] for i in range(depth, len(keys.tokens)) if i in pic)
+        combine = regular + self.profile.combine_ratio * reused  # prefill tokens worth, attending to the rest
+        work.sequences.append((combine, keys.total_tokens - combine))
+        return work
+
+    def _segment_work(self, state: RequestState, content: str, tokens: int, seen: set[str], work: CombineWork) -> None:
+        """One PIC segment past the prefix: reused from the home's store (a host copy promoted), or, cold,
+        prefilled alone in the combine's forward. An earlier copy in the request counts as a hit, as in the
+        reuse analysis; a segment scatter-prefilled for this very request does not."""
+        tier = None if content in seen else self.caches[state.plan.combine_home].tier_of(CacheKind.PIC, content)
+        hit = content in seen or (tier is not None and content not in state.computed_for_it
+                                  and self.first_seen[content] < state.index)
+        if hit:
+            work.hit_tokens += tokens
+        elif tier is None:
+            work.cold.append((content, tokens))
+            work.sequences.append((tokens, 0.0))
+        if tier is Tier.HOST:
+            work.host_tokens += tokens if hit else 0
+            work.promoted.append((CacheKind.PIC, content, tokens))
+        seen.add(content)
+
+    def _admit_combine(self, worker: int, state: RequestState, work: CombineWork, now: float) -> float:
+        """Apply the admission's side effects; returns the seconds spent loading host copies."""
+        cache, keys = self.caches[worker], state.keys
+        load_end = now
+        for kind, key, tokens in work.promoted:
+            if cache.tier_of(kind, key) is Tier.HOST:
+                load_end = max(load_end, self._promote(worker, kind, key, tokens, now))
+            elif not cache.has(kind, key):  # an earlier promotion pushed it off the host: recompute it
+                work.hit_tokens -= tokens if key not in state.computed_for_it else 0
+                work.host_tokens -= tokens if key not in state.computed_for_it else 0
+                work.sequences.insert(0, (tokens, 0.0))
+        for key in keys.pc_keys:
+            cache.touch(CacheKind.PC, key)
+        for i in keys.pic_indices:
+            cache.touch(CacheKind.PIC, keys.content_ids[i])
+        self._apply(worker, cache.pin(work.pinned), now)
+        self._count(state, "hit_tokens", work.hit_tokens)
+        self._count(state, "host_hit_tokens", work.host_tokens)
+        self._count(state, "computed", work.tokens, worker)
+        return load_end - now
+
+    def _combine_done(self, worker: int, state: RequestState, work: CombineWork, now: float) -> None:
+        keys, plan = state.keys, state.plan
+        for key, tokens in work.cold:
+            self._stored(worker, key, tokens, now)
+        for key, tokens in zip(reversed(keys.pc_keys), reversed(keys.tokens)):
+            self._apply(worker, self.caches[worker].store(CacheKind.PC, key, tokens), now)
+        for key in keys.pc_keys:
+            for waiter in self.producing_pc.pop((worker, key), []):
+                waiter(now)
+        self._emit(worker, lambda s: DoneEvent(worker, s, plan.combine_task_id), now)
+        handoff_bytes = keys.total_tokens * self.profile.kv_bytes_per_token
+        self._count(state, "handoff_bytes", handoff_bytes)
+        handed = self.links.transfer(worker, self.cluster.decode_worker, handoff_bytes, now)
+        self.at(handed, lambda t: self.caches[worker].unpin(work.pinned))
+        first_token = handed if self.config.ttft_includes_handoff else now
+        self.last_completion = max(self.last_completion, first_token)
+        if state.measured:
+            self.ttfts.append(first_token - state.arrival)
+
+    # ---- batched forwards ---------------------------------------------------------------------
     def _start_next(self, worker: int, now: float) -> None:
         queue = self.queues[worker]
-        if not queue.combine and not queue.scatter:
-            queue.busy = False
+        if queue.busy or not (queue.combines or queue.scatters):
             return
-        job = queue.combine.popleft() if queue.combine else queue.scatter.popleft()
+        budget, sequences, finishers, extra_s = self.profile.max_batch_tokens, [], [], 0.0
+        while queue.combines:
+            work = self._combine_work(queue.combines[0])
+            if sequences and work.tokens > budget:
+                break
+            state = queue.combines.popleft()
+            extra_s = max(extra_s, self._admit_combine(worker, state, work, now))
+            sequences += work.sequences
+            budget -= work.tokens
+            finishers.append(lambda t, s=state, w=work: self._combine_done(worker, s, w, t))
+        while queue.scatters and budget > 0:
+            budget = self._take_scatter(worker, queue.scatters, budget, sequences, finishers, now)
+        if not sequences:
+            for finish in finishers:
+                finish(now)
+            self._start_next(worker, now)
+            return
         queue.busy = True
-        self._emit_evictions(worker, self.caches[worker].pin(job.kv_tokens), now)
+        seconds = self.profile.prefill.batch_seconds(sequences) + extra_s
+        self.processors[worker].start(worker, seconds, lambda t: self._step_done(worker, finishers, t), now)
 
-        def finish(t: float) -> None:
-            self.caches[worker].unpin(job.kv_tokens)
-            job.on_done(t)
-            self._start_next(worker, t)
+    def _take_scatter(self, worker: int, scatters: deque, budget: float, sequences: list, finishers: list,
+                      now: float) -> float:
+        job = scatters[0]
+        if job.done_tokens == 0 and self.caches[worker].has(CacheKind.PIC, job.key):
+            scatters.popleft()  # computed here meanwhile: nothing left to do
+            finishers.append(lambda t, j=job: self._scatter_done(worker, j.key, j.tokens, j.task_id, t))
+            return budget
+        chunk = min(job.tokens - job.done_tokens, int(budget))
+        if chunk < 1:
+            return 0.0
+        sequences.append((chunk, job.done_tokens))
+        job.done_tokens += chunk
+        if job.measured:
+            self.counters.computed_tokens[worker] += chunk
+        if job.done_tokens >= job.tokens:
+            scatters.popleft()
+            self._apply(worker, self.caches[worker].pin(job.tokens), now)
+            finishers.append(lambda t, j=job: self._finish_scatter(worker, j, t))
+        return budget - chunk
 
-        self.at(now + job.seconds, finish)
+    def _finish_scatter(self, worker: int, job: ScatterJob, now: float) -> None:
+        self.caches[worker].unpin(job.tokens)
+        self._scatter_done(worker, job.key, job.tokens, job.task_id, now)
+
+    def _step_done(self, worker: int, finishers: list, now: float) -> None:
+        self.queues[worker].busy = False
+        for finish in finishers:
+            finish(now)
+        self._start_next(worker, now)
 
     def _count(self, state: RequestState, counter: str, amount: float, worker: int | None = None) -> None:
         if not state.measured:

@@ -30,9 +30,11 @@ class Counters:
 
     input_tokens: int = 0
     hit_tokens: int = 0
+    host_hit_tokens: int = 0  # hits read back from a worker's host tier
     invalid_hit_tokens: int = 0
     repeated_tokens: int = 0
     transferred_bytes: int = 0
+    handoff_bytes: int = 0
     computed_tokens: list[float] = field(default_factory=list)  # per prefill worker
 
 
@@ -49,9 +51,11 @@ class SimulationReport:
     ttft_p99_s: float
     ttft_mean_s: float
     cache_hit_ratio: float  # token-weighted
+    host_hit_tokens: int
     invalid_hit_tokens: int
     repeated_tokens: int
-    transferred_bytes: int  # KV moved between prefill workers (the decode handoff is not counted)
+    transferred_bytes: int  # KV moved between prefill workers
+    handoff_bytes: int  # KV handed to the decode worker (the paper's "NIXL TX payload" counts both)
     compute_cv: float  # population CV of cumulative prefill tokens across prefill workers
     ttft_slo_s: float
     goodput_rps: float  # requests meeting the SLO / (last completion - first arrival)
@@ -68,8 +72,9 @@ class SimulationReport:
                    ttft_p99_s=percentile(ttfts, 99),
                    ttft_mean_s=sum(ttfts) / len(ttfts) if ttfts else math.nan,
                    cache_hit_ratio=counters.hit_tokens / inputs if inputs else 0.0,
+                   host_hit_tokens=counters.host_hit_tokens,
                    invalid_hit_tokens=counters.invalid_hit_tokens, repeated_tokens=counters.repeated_tokens,
-                   transferred_bytes=counters.transferred_bytes,
+                   transferred_bytes=counters.transferred_bytes, handoff_bytes=counters.handoff_bytes,
                    compute_cv=coefficient_of_variation(counters.computed_tokens),
                    ttft_slo_s=slo_s, goodput_rps=good / span_s if span_s > 0 else 0.0,
                    pc_share_history=tuple(pc_share_history), ttfts_s=tuple(ttfts))

@@ -19,7 +19,7 @@ from nebula_engine.cluster.config import ViewConfig
 from nebula_engine.cluster.messages import (Action, CacheKind, DoneEvent, EvictEvent, PrefillPlan,
                                             StoreEvent, Tier, WorkerEvent)
 
-PresenceListener = Callable[[CacheKind, str, bool, int], None]
+PresenceListener = Callable[[CacheKind, str, Tier, bool, int], None]
 
 
 @dataclass
@@ -48,8 +48,8 @@ class ClusterView:
 
     Invariants: ``outstanding_tokens(w)`` is the sum of live reservations on ``w``; a reservation is
     released at most once; an unconfirmed record is never returned at or after its expiry time; the
-    presence listener hears ``True`` when a key gains its first holder and ``False`` when it loses
-    its last one.
+    presence listener hears ``(kind, key, tier, True, tokens)`` when a key gains its first holder on a
+    tier and ``False`` when it loses its last one there (an optimistic record counts on the device).
     """
 
     def __init__(self, num_workers: int, config: ViewConfig = ViewConfig(),
@@ -77,11 +77,12 @@ class ClusterView:
         return self._holders[kind].get(key, {})
 
     def prefix_matches(self, pc_keys: Iterable[str], now: float) -> dict[int, int]:
-        """For each worker with any match: how many leading segments its prefix cache covers."""
+        """For each worker with any match: how many leading segments its device prefix cache covers (the
+        planner moves a prefix hit as device KV; a home still finds its own lower-tier copies)."""
         matched: dict[int, int] = {}
         alive: set[int] | None = None
         for depth, key in enumerate(pc_keys, start=1):
-            here = self.holders(CacheKind.PC, key, now).keys()
+            here = {w for w, r in self.holders(CacheKind.PC, key, now).items() if r.tier is Tier.DEVICE}
             alive = set(here) if alive is None else alive & here
             if not alive:
                 break
@@ -103,10 +104,12 @@ class ClusterView:
         self._outstanding[worker] += tokens
 
     def forget_worker(self, worker: int) -> None:
-        """``worker`` is gone (or restarted): drop every record of what it held."""
+        """``worker`` is gone (or restarted): drop every record of what it held, and accept its event
+        numbering afresh (a restarted worker counts from 1 again)."""
         for kind, by_key in self._holders.items():
             for key in [k for k, records in by_key.items() if worker in records]:
                 self._remove(kind, key, worker)
+        self._last_seq.pop(worker, None)
 
     def release(self, task_id: str) -> bool:
         """Free a task's reservation; False (and nothing changes) if it was already released."""
@@ -180,16 +183,39 @@ class ClusterView:
         if record is None:  # a late store re-registers a location the TTL already dropped
             self._add(event.kind, event.key, event.worker,
                       HolderRecord(event.num_tokens, event.tier, True, float("inf")))
-        else:
-            record.confirmed, record.tier, record.num_tokens = True, event.tier, event.num_tokens
+            return
+        if record.tier is event.tier:  # the common case: an expected device copy confirmed
+            record.confirmed, record.num_tokens = True, event.num_tokens
+            return
+        before = self._tiers(event.kind, event.key)
+        record.confirmed, record.tier, record.num_tokens = True, event.tier, event.num_tokens
+        self._announce(event.kind, event.key, before, record.num_tokens)
 
     # ---- bookkeeping --------------------------------------------------------------------------
+    def _tiers(self, kind: CacheKind, key: str) -> set[Tier]:
+        return {record.tier for record in self._holders[kind].get(key, {}).values()}
+
+    def _announce(self, kind: CacheKind, key: str, before: set[Tier], num_tokens: int) -> None:
+        """Tell the listener which tiers ``key`` left or reached since ``before``."""
+        if self._listener is None:
+            return
+        after = self._tiers(kind, key)
+        for tier in before - after:
+            self._listener(kind, key, tier, False, num_tokens)
+        for tier in after - before:
+            self._listener(kind, key, tier, True, num_tokens)
+
     def _add(self, kind: CacheKind, key: str, worker: int, record: HolderRecord) -> None:
         records = self._holders[kind].setdefault(key, {})
-        first = not records
+        if worker in records:  # a replaced record may take its tier away: compare the whole sets
+            before = self._tiers(kind, key)
+            records[worker] = record
+            self._announce(kind, key, before, record.num_tokens)
+            return
+        first_here = self._listener is not None and all(r.tier is not record.tier for r in records.values())
         records[worker] = record
-        if first and self._listener:
-            self._listener(kind, key, True, record.num_tokens)
+        if first_here:
+            self._listener(kind, key, record.tier, True, record.num_tokens)
 
     def _remove(self, kind: CacheKind, key: str, worker: int) -> None:
         model = self._lru_model[worker]
@@ -201,8 +227,8 @@ class ClusterView:
         record = records.pop(worker)
         if not records:
             del self._holders[kind][key]
-            if self._listener:
-                self._listener(kind, key, False, record.num_tokens)
+        if self._listener is not None and all(r.tier is not record.tier for r in records.values()):
+            self._listener(kind, key, record.tier, False, record.num_tokens)
 
     def _touch_model(self, kind: CacheKind, key: str, worker: int, tokens: int) -> None:
         """The optimistic strawman's guess of worker eviction: plain LRU over a known capacity."""

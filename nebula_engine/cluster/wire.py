@@ -2,7 +2,8 @@
 
 Every message names its sender peer. Request-scoped messages carry ``attempt``: only a request's front end starts
 a new attempt (after a failure: a higher number), and it only accepts outputs of the attempt it is waiting for.
-Worker cache events travel as ``CacheEventMsg`` and become ``cluster.messages`` events at the router.
+Worker cache events travel as ``CacheEventMsg`` and become ``cluster.messages`` events at the router, each with
+the sequence number its worker gave it (one counter per worker over cache events and task completions).
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ class CacheEvent(msgspec.Struct, array_like=True):
 
 class CacheEventMsg(Msg):
     worker_index: int
+    first_seq: int  # the worker's sequence number of events[0]; events[i] has first_seq + i
     events: list[CacheEvent]
     snapshot: bool = False  # True: the full index (replaces what the router knew of this worker)
 
@@ -112,6 +114,7 @@ class CacheEventMsg(Msg):
 class TaskDone(Msg):
     worker_index: int
     task_id: str
+    seq: int  # the worker's sequence number of this report (one counter with its cache events)
     request_id: str = ""
 
 

@@ -109,6 +109,7 @@ class WorkerService:
         self._handoffs: dict[str, asyncio.Future] = {}  # request id -> done when the decode peer has read
         self._streams: dict[str, asyncio.Task] = {}  # request id -> task serving it here
         self._pc_page_keys: dict[str, set[str]] = {}  # radix page hash -> segment chain keys ending in it
+        self._next_seq = 1  # sequence number of the next event reported to the router (cache events and task done)
         self.transfer_bytes = 0
         self.transfer_failures = 0
         self.evictions = {"pc": 0, "pic": 0}  # device evictions (and demotions) seen in the cache events
@@ -154,7 +155,7 @@ class WorkerService:
         finally:
             self._stop_computing([msg.key])
             self._report(wire.TaskDone(sender=self.name, worker_index=self.worker_index, task_id=msg.task_id,
-                                       request_id=msg.request_id))
+                                       seq=self._take_seqs(1), request_id=msg.request_id))
 
     async def on_combine(self, msg: wire.Combine) -> None:
         task = asyncio.current_task()
@@ -186,7 +187,7 @@ class WorkerService:
             self._streams.pop(msg.request_id, None)
             for task_id in [msg.task_id, *msg.local_task_ids]:
                 self._report(wire.TaskDone(sender=self.name, worker_index=self.worker_index, task_id=task_id,
-                                           request_id=msg.request_id))
+                                           seq=self._take_seqs(1), request_id=msg.request_id))
 
     def _fail(self, msg: wire.Combine | wire.Handoff, message: str, client_error: bool,
               resumable: bool = False) -> None:
@@ -388,6 +389,16 @@ class WorkerService:
 
     local_router: Callable[[wire.Msg], None] = staticmethod(lambda message: None)
 
+    def _take_seqs(self, count: int) -> int:
+        """The first of ``count`` fresh sequence numbers. Taken right before the report is sent (no await in
+        between), so numbers increase in send order on the ordered channel to the router."""
+        first, self._next_seq = self._next_seq, self._next_seq + count
+        return first
+
+    def _report_events(self, events: list[wire.CacheEvent], snapshot: bool = False) -> None:
+        self._report(wire.CacheEventMsg(sender=self.name, worker_index=self.worker_index,
+                                        first_seq=self._take_seqs(len(events)), events=events, snapshot=snapshot))
+
     def _report_prompt_cached(self, segmented: SegmentedPrompt, spec: str | None) -> None:
         """Ask the engine thread to report the prompt's cached segments as PC entries (segment granularity)."""
         asyncio.get_running_loop().create_task(self._pc_events(segmented, spec))
@@ -413,7 +424,7 @@ class WorkerService:
 
         events = await self.engine.call(collect)
         if events:
-            self._report(wire.CacheEventMsg(sender=self.name, worker_index=self.worker_index, events=events))
+            self._report_events(events)
 
     async def pump_events(self, snapshot: bool = False) -> None:
         """Send the engine's cache events since the last call (or, with ``snapshot``, its whole PIC index)."""
@@ -425,14 +436,16 @@ class WorkerService:
             if store is None:
                 return []
             drained = store.drain_events()
-            if snapshot:
-                return [wire.CacheEvent("store", "pic", e.key, e.num_tokens, "device") for e in store.pic.entries()]
+            if snapshot:  # every PIC entry with the tier it is on (PC is reported per segment, by _pc_events)
+                lower = store.tiers.entries() if store.tiers else ()
+                return [wire.CacheEvent("store", "pic", e.key, e.num_tokens, "device") for e in store.pic.entries()] + \
+                    [wire.CacheEvent("store", "pic", key, tokens, tier.value) for kind, key, tier, tokens in lower
+                     if kind is CacheKind.PIC]
             return [event for raw in drained for event in self._translate(raw)]
 
         events = await self.engine.call(drain)
         if events or snapshot:
-            self._report(wire.CacheEventMsg(sender=self.name, worker_index=self.worker_index, events=events,
-                                            snapshot=snapshot))
+            self._report_events(events, snapshot)
 
     def _translate(self, event) -> list[wire.CacheEvent]:
         if isinstance(event, EvictEvent) or (isinstance(event, MoveEvent) and event.src.value == "device"):

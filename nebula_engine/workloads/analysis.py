@@ -98,15 +98,16 @@ class _PrefixTrie:
             node = self._children.setdefault((node, content_id), len(self._children) + 1)
 
 
-def reuse_stats(requests: Sequence[Request]) -> ReuseStats:
+def request_hits(requests: Sequence[Request]) -> list[tuple[int, int]]:
+    """Per request, in order: (PC hit tokens, PIC hit tokens) against the infinite cache described above."""
     trie = _PrefixTrie()
     seen: set[str] = set()
-    total = pc_hits = pic_hits = 0
+    hits = []
     for request in requests:
         content_ids = [s.content_id for s in request.segments]
         prefix_len = trie.matched_segments(content_ids)
+        pc_hits = pic_hits = 0
         for index, segment in enumerate(request.segments):
-            total += segment.num_tokens
             if index < prefix_len:
                 pc_hits += segment.num_tokens
                 pic_hits += segment.num_tokens
@@ -114,7 +115,14 @@ def reuse_stats(requests: Sequence[Request]) -> ReuseStats:
                 pic_hits += segment.num_tokens
             seen.add(segment.content_id)
         trie.insert(content_ids)
-    return ReuseStats(len(requests), total, pc_hits, pic_hits)
+        hits.append((pc_hits, pic_hits))
+    return hits
+
+
+def reuse_stats(requests: Sequence[Request]) -> ReuseStats:
+    hits = request_hits(requests)
+    total = sum(r.num_tokens for r in requests)
+    return ReuseStats(len(requests), total, sum(pc for pc, _ in hits), sum(pic for _, pic in hits))
 
 
 def segment_stats(requests: Sequence[Request]) -> SegmentStats:

@@ -8,10 +8,11 @@ from pathlib import Path
 import click
 
 from nebula_engine.workloads.registry import (
-    WORKLOADS, DataSource, WorkloadDataMissing, WorkloadSpec, default_traces_dir, resolve_source,
+    WORKLOADS, DataSource, WorkloadDataMissing, WorkloadSpec, default_traces_dir, resolve_source, resolve_tokenizer,
 )
 from nebula_engine.workloads.report import build_report, format_json, format_text
 from nebula_engine.workloads.segments import LoadOptions, Tokenizer
+from nebula_engine.workloads.tokenizers import TOKENIZER_NAMES
 
 
 def load_tokenizer_file(path: Path) -> Tokenizer:
@@ -25,8 +26,8 @@ def load_tokenizer_file(path: Path) -> Tokenizer:
     return lambda text: tokenizer.encode(text, add_special_tokens=False).ids
 
 
-def describe(spec: WorkloadSpec, source: DataSource, options: LoadOptions) -> tuple[str, ...]:
-    tokens = options.token_source if spec.token_lengths == "text" else spec.token_lengths
+def describe(spec: WorkloadSpec, source: DataSource, options: LoadOptions, tokenizer: str) -> tuple[str, ...]:
+    tokens = tokenizer if spec.token_lengths == "text" else spec.token_lengths
     notes = [*spec.notes, f"tokens: {tokens}"]
     if source.directory is not None:
         notes.append(f"data: {source.directory}")
@@ -45,15 +46,21 @@ def describe(spec: WorkloadSpec, source: DataSource, options: LoadOptions) -> tu
 @click.option("--limit", type=click.IntRange(min=1), default=None,
               help="Read only the first N units (trace lines, conversations, logs or trajectories).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for arrivals and generators.")
-@click.option("--tokenizer", "tokenizer_path", type=click.Path(path_type=Path), default=None,
-              help="tokenizer.json (or its directory) for real token counts [default: chars/4 estimate].")
+@click.option("--tokenizer", "tokenizer_name", default=None,
+              help=f"One of {', '.join(TOKENIZER_NAMES)}, or a tokenizer.json (or its directory) "
+                   "[default: the workload's: the paper's model tokenizer for tau-bench and chatdev, else chars/4].")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def analyze(name: str, data_dir: Path | None, limit: int | None, seed: int,
-            tokenizer_path: Path | None, as_json: bool) -> None:
+            tokenizer_name: str | None, as_json: bool) -> None:
     """Reuse analysis of workload NAME: PC/PIC/NPHR/PMRR (Table 1) and segment statistics (Table 2),
     beside the paper's figures."""
     spec = WORKLOADS[name]
-    tokenizer = load_tokenizer_file(tokenizer_path) if tokenizer_path is not None else None
+    tokenizer_name = tokenizer_name or spec.tokenizer
+    if tokenizer_name in TOKENIZER_NAMES:
+        tokenizer = resolve_tokenizer(name, tokenizer_name)
+    else:
+        tokenizer = load_tokenizer_file(Path(tokenizer_name))
+        tokenizer_name = f"tokenizer file {tokenizer_name}"
     options = LoadOptions(limit=limit, tokenizer=tokenizer, seed=seed)
     try:
         source = resolve_source(name, data_dir)
@@ -66,5 +73,5 @@ def analyze(name: str, data_dir: Path | None, limit: int | None, seed: int,
         raise click.ClickException(f"malformed {name} data under {source.directory}: {error}") from error
     if not requests:
         raise click.ClickException(f"no {name} requests found under {source.directory}")
-    report = build_report(name, requests, describe(spec, source, options))
+    report = build_report(name, requests, describe(spec, source, options, tokenizer_name))
     click.echo(format_json(report) if as_json else format_text(report))

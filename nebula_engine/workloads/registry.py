@@ -12,6 +12,7 @@ from pathlib import Path
 
 from nebula_engine.workloads.request import Request
 from nebula_engine.workloads.segments import LoadOptions, Tokenizer
+from nebula_engine.workloads.tokenizers import ESTIMATE, named_tokenizer
 
 TRACES_ENV = "NEBULA_TRACES"
 DEFAULT_TRACES_DIR = Path("../shared/traces")
@@ -28,6 +29,7 @@ class WorkloadSpec:
     synthetic: bool = False
     limit_unit: str = "requests"
     token_lengths: str = "text"  # "text": counted from text; otherwise where the lengths come from
+    tokenizer: str = ESTIMATE  # how text is counted unless the caller says (workloads.tokenizers)
     notes: tuple[str, ...] = ()
 
     def load(self, directory: Path | None, options: LoadOptions) -> list[Request]:
@@ -39,9 +41,9 @@ WORKLOADS: dict[str, WorkloadSpec] = {spec.name: spec for spec in (
     WorkloadSpec("ragpulse", "ragpulse", "load_ragpulse", "ragpulse", bundled=True, limit_unit="trace lines",
                  token_lengths="trace lengths (Qwen2.5 tokens)"),
     WorkloadSpec("tau-bench", "tau_bench", "load_tau_bench", "tau_bench_retail", limit_unit="conversations",
-                 notes=("the 69 real GPT-4o retail conversations, sessions starting as a seeded Poisson "
+                 tokenizer="qwen3.5", notes=("the 69 real GPT-4o retail conversations, sessions starting as a seeded Poisson "
                         "process",)),
-    WorkloadSpec("chatdev", "chatdev", "load_chatdev", "chatdev", limit_unit="run logs",
+    WorkloadSpec("chatdev", "chatdev", "load_chatdev", "chatdev", limit_unit="run logs", tokenizer="qwen3",
                  notes=("one request per logged LLM call of the WareHouse run logs",)),
     WorkloadSpec("swe-agent", "swe_agent", "load_swe_agent", "swe_agent", limit_unit="trajectories",
                  notes=("PROXY: nebius/SWE-agent-trajectories is unavailable; uses the 13 SWE-agent .traj "
@@ -92,9 +94,18 @@ def resolve_source(name: str, data_dir: Path | str | None = None) -> DataSource:
 
 
 def load_workload(name: str, data_dir: Path | str | None = None, limit: int | None = None,
-                  tokenizer: Tokenizer | None = None, seed: int = 0,
+                  tokenizer: Tokenizer | str | None = None, seed: int = 0,
                   with_token_ids: bool = False) -> list[Request]:
-    """Requests of a workload in trace order. ``limit`` counts the unit in ``WORKLOADS[name].limit_unit``."""
+    """Requests of a workload in trace order. ``limit`` counts the unit in ``WORKLOADS[name].limit_unit``.
+
+    ``tokenizer``: a callable, a name of ``workloads.tokenizers``, or None for the workload's own default."""
     source = resolve_source(name, data_dir)
-    options = LoadOptions(limit=limit, tokenizer=tokenizer, seed=seed, with_token_ids=with_token_ids)
+    options = LoadOptions(limit=limit, tokenizer=resolve_tokenizer(name, tokenizer), seed=seed,
+                          with_token_ids=with_token_ids)
     return get_spec(name).load(source.directory, options)
+
+
+def resolve_tokenizer(name: str, tokenizer: Tokenizer | str | None) -> Tokenizer | None:
+    if callable(tokenizer):
+        return tokenizer
+    return named_tokenizer(get_spec(name).tokenizer if tokenizer is None else tokenizer)

@@ -57,6 +57,8 @@ def format_json(report: WorkloadReport) -> str:
     reuse = report.reuse
     payload = {
         "workload": report.name,
+        "hit_ratio_bound": reuse.pic / 100,  # the most any cache can hit (PIC), as a ratio
+        "pc_hit_ratio_bound": reuse.pc / 100,  # the most prefix caching alone can hit
         "notes": list(report.notes),
         "ours": {
             "requests": reuse.num_requests, "input_tokens": reuse.total_tokens,

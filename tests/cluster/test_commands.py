@@ -1,5 +1,6 @@
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from nebula_engine.cluster.commands import simulate
@@ -15,7 +16,31 @@ def test_json_report_on_bundled_ragpulse_slice():
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
     assert report["workload"] == "ragpulse" and report["num_requests"] == 60
-    assert 0 < report["cache_hit_ratio"] < 1 and report["ttft_p50_s"] > 0
+    assert 0 < report["cache_hit_ratio"] <= report["hit_ratio_bound"] < 1
+    assert 0 < report["ttft_p50_s"] <= report["ttft_p95_s"] <= report["ttft_p99_s"]
+    assert report["cache"] == "self-tuning" and report["load"] == pytest.approx(20 / report["pc_capacity_rps"])
+
+
+def test_load_sets_the_rate_against_the_prefix_caching_capacity():
+    result = run("--data", str(BUNDLED_DIR), "--limit", "40", "--load", "0.5", "--policy", "pc", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["load"] == pytest.approx(0.5) and report["qps"] == pytest.approx(0.5 * report["pc_capacity_rps"])
+    assert report["cache"] == "unified-lru"  # a baseline keeps SGLang's plain LRU
+    assert run("--qps", "2", "--load", "1").exit_code == 2
+
+
+def test_a_measured_profile_file_is_read(tmp_path):
+    from dataclasses import replace
+
+    from nebula_engine.cluster.config import ClusterProfile
+
+    profile = replace(ClusterProfile.load(), name="measured-here", shared_compute=True)
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile.to_dict()))
+    result = run("--data", str(BUNDLED_DIR), "--limit", "20", "--profile", str(path), "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["profile"] == "measured-here"
 
 
 def test_text_report_names_the_settings():

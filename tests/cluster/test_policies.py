@@ -5,7 +5,7 @@ from nebula_engine.cluster.config import ClusterConfig
 from nebula_engine.cluster.control_plane import ControlPlane
 from nebula_engine.cluster.messages import Action, CacheKind, StoreEvent, Tier
 from nebula_engine.cluster.planner import Hit, PlanningProblem, TransferCosts
-from nebula_engine.cluster.policies import POLICIES, make_policy, view_config
+from nebula_engine.cluster.policies import POLICIES, default_cache, make_policy, view_config
 from nebula_engine.cluster.request_keys import RequestKeys
 from nebula_engine.cluster.schedulers import SCHEDULERS, LoadScheduler, LocalityScheduler
 
@@ -61,7 +61,7 @@ def test_nebula_reuses_remote_pic_and_records_dispatch():
     assert actions["doc-b"][1] in plane.view.holders(CacheKind.PIC, "doc-b", now=1.0)
     assert plan.combine_home in plane.view.holders(CacheKind.PC, keys.pc_keys[-1], now=1.0)
     # combine = regular tokens + recompute share of the PIC segments
-    assert plan.combine_tokens == pytest.approx(110 + CONFIG.profile.pic_recompute_ratio * 200)
+    assert plan.combine_tokens == pytest.approx(110 + CONFIG.profile.combine_ratio * 200)
 
 
 def test_nebula_second_request_awaits_in_flight_segment():
@@ -109,3 +109,51 @@ def test_nebula_places_a_repeated_segment_once():
     first, again = plan.segments
     assert first.action is Action.COMPUTE and again.action is Action.REUSE
     assert again.worker == first.worker and again.index == 2
+
+
+def test_nebula_plans_no_extra_reuse_for_a_repeat_inside_the_prefix_hit():
+    """Defect 1: the earlier copy of a repeated segment lies inside the prefix hit; only the later copy is planned."""
+    plane = ControlPlane(CONFIG, "nebula")
+    keys = RequestKeys.of(request("r", ("P", "sys", 50), ("I", "doc", 100), ("R", "q", 5), ("I", "doc", 100)))
+    store_all(plane, 2, CacheKind.PC, keys.pc_keys[:2])  # worker 2 holds sys + doc as a prefix
+    plan = plane.on_request(keys, now=1.0).plan
+    assert plan.prefix.num_segments == 2
+    assert [(s.index, s.action) for s in plan.segments] == [(3, Action.COMPUTE)]
+
+
+def slow_tier_plane(d: float, host: float) -> ControlPlane:
+    """Two workers d apart: worker 1 holds "doc" on its host tier, worker 0 a long "big" on its device, which
+    makes worker 0 the home."""
+    costs = TransferCosts([[0.0, d], [d, 0.0]], {Tier.HOST: host})
+    plane = ControlPlane(ClusterConfig(num_prefill_workers=2), "nebula", costs=costs)
+    plane.on_event(StoreEvent(1, 1, CacheKind.PIC, "doc", 100, Tier.HOST), now=0.0)
+    plane.on_event(StoreEvent(0, 1, CacheKind.PIC, "big", 1000), now=0.0)
+    return plane
+
+
+SLOW_TIER_KEYS = RequestKeys.of(request("r", ("I", "big", 1000), ("I", "doc", 100), ("R", "q", 5)))
+
+
+def test_slow_tier_copy_is_read_only_when_loading_and_moving_it_beats_recompute():
+    """Defect 3: the load-vs-recompute check counts the network to the chosen home, not just the tier."""
+    cheap = slow_tier_plane(d=0.1, host=0.5).on_request(SLOW_TIER_KEYS, now=1.0).plan
+    assert cheap.combine_home == 0
+    assert [(s.action, s.worker, s.tier) for s in cheap.segments if s.key == "doc"] == [(Action.REUSE, 1, Tier.HOST)]
+    dear = slow_tier_plane(d=0.6, host=0.5).on_request(SLOW_TIER_KEYS, now=1.0).plan  # 0.5 + 0.6 >= 1
+    assert dear.combine_home == 0
+    assert [(s.action, s.worker) for s in dear.segments if s.key == "doc"] == [(Action.COMPUTE, 0)]
+
+
+def test_pinned_home_reads_the_cheapest_copy_worth_reading():
+    keys = RequestKeys.of(request("r", ("I", "doc", 100), ("R", "q", 5)))
+    plan = slow_tier_plane(d=0.6, host=0.5).on_request(keys, now=1.0, home=0).plan
+    assert [(s.action, s.worker) for s in plan.segments] == [(Action.COMPUTE, 0)]
+    plane = slow_tier_plane(d=0.6, host=0.5)
+    plane.on_event(StoreEvent(0, 2, CacheKind.PIC, "doc", 100, Tier.HOST), now=0.0)
+    plan = plane.on_request(keys, now=1.0, home=0).plan
+    assert [(s.action, s.worker, s.tier) for s in plan.segments] == [(Action.REUSE, 0, Tier.HOST)]
+
+
+def test_baselines_default_to_plain_lru_nebula_to_self_tuning():
+    assert default_cache("pc") == default_cache("local-pic") == "unified-lru"
+    assert default_cache("nebula") == "self-tuning"

@@ -6,6 +6,7 @@ import pytest
 
 from nebula_engine.cluster import wire
 from nebula_engine.cluster.config import ClusterConfig
+from nebula_engine.cluster.messages import CacheKind, DoneEvent, Tier
 from nebula_engine.cluster.router import RouterService
 
 
@@ -43,7 +44,8 @@ def submit(request_id: str, docs: list[list[int]], attempt: int = 0, route: str 
 def test_codec_round_trips_every_message_kind():
     message = submit("r", [[5, 6, 7]])
     assert wire.decode(wire.encode(message)) == message
-    event = wire.CacheEventMsg(sender="p", worker_index=1, events=[wire.CacheEvent("store", "pic", "k", 3, "host")])
+    event = wire.CacheEventMsg(sender="p", worker_index=1, first_seq=4,
+                               events=[wire.CacheEvent("store", "pic", "k", 3, "host")])
     assert wire.decode(wire.encode(event)) == event
 
 
@@ -65,7 +67,7 @@ def test_a_request_becomes_one_combine_and_scatters_for_remote_cold_segments(rou
 def test_store_events_make_a_remote_copy_reusable(router):
     service, sent, _ = router
     key = "pic-" + "-".join(["20"] * 50)
-    service.on_cache_events(wire.CacheEventMsg(sender="prefill-1", worker_index=1,
+    service.on_cache_events(wire.CacheEventMsg(sender="prefill-1", worker_index=1, first_seq=1,
                                                events=[wire.CacheEvent("store", "pic", key, 50, "device")]))
     service.on_submit(submit("r2", [[20] * 50], route="prefill-0"))
     combine = next(m for _, m in sent if isinstance(m, wire.Combine))
@@ -91,7 +93,8 @@ def test_a_silent_home_has_its_requests_reported_lost_and_the_front_end_plans_th
     service.on_submit(submit("r3", [[30] * 10], attempt=first.attempt + 1, route="prefill-1"))  # the front end's retry
     combine_peer, combine = next((p, m) for p, m in sent if isinstance(m, wire.Combine))
     assert combine_peer == "prefill-0" and combine.attempt == first.attempt + 1 and combine.sources == []
-    service.on_task_done(wire.TaskDone(sender="prefill-0", worker_index=0, task_id=combine.task_id, request_id="r3"))
+    service.on_task_done(wire.TaskDone(sender="prefill-0", worker_index=0, task_id=combine.task_id, seq=1,
+                                       request_id="r3"))
     assert "r3" not in service.in_flight
 
 
@@ -105,10 +108,30 @@ def test_a_router_that_does_not_lead_refuses_submissions(router):
 def test_a_snapshot_replaces_what_the_router_knew_of_a_worker(router):
     service, _, _ = router
     stale = wire.CacheEvent("store", "pic", "old", 5, "device")
-    service.on_cache_events(wire.CacheEventMsg(sender="prefill-1", worker_index=1, events=[stale]))
+    service.on_cache_events(wire.CacheEventMsg(sender="prefill-1", worker_index=1, first_seq=40, events=[stale]))
     fresh = wire.CacheEvent("store", "pic", "new", 5, "device")
-    service.on_cache_events(wire.CacheEventMsg(sender="prefill-1", worker_index=1, events=[fresh], snapshot=True))
-    from nebula_engine.cluster.messages import CacheKind
-
+    # a restarted worker numbers from 1 again: its snapshot still counts
+    service.on_cache_events(wire.CacheEventMsg(sender="prefill-1", worker_index=1, first_seq=1, events=[fresh],
+                                               snapshot=True))
     assert service.control.view.holders(CacheKind.PIC, "old", 100.0) == {}
     assert 1 in service.control.view.holders(CacheKind.PIC, "new", 100.0)
+
+
+def test_events_keep_the_workers_sequence_numbers_and_tiers(router):
+    service, _, _ = router
+    view = service.control.view
+
+    def events(first_seq: int, *items) -> wire.CacheEventMsg:
+        return wire.CacheEventMsg(sender="prefill-1", worker_index=1, first_seq=first_seq,
+                                  events=[wire.CacheEvent(*item) for item in items])
+
+    service.on_cache_events(events(5, ("store", "pic", "doc", 8, "device"), ("evict", "pic", "doc", 8, "device"),
+                                   ("store", "pic", "doc", 8, "disk")))
+    assert view.holders(CacheKind.PIC, "doc", 100.0)[1].tier is Tier.DISK  # not collapsed into host
+    # a duplicate of the worker's event 6 (an eviction) is recognised by its number and ignored
+    service.on_cache_events(events(6, ("evict", "pic", "doc", 8, "disk")))
+    assert 1 in view.holders(CacheKind.PIC, "doc", 100.0)
+    service.on_cache_events(events(8, ("evict", "pic", "doc", 8, "disk")))
+    assert view.holders(CacheKind.PIC, "doc", 100.0) == {}
+    service.on_task_done(wire.TaskDone(sender="prefill-1", worker_index=1, task_id="t", seq=9))
+    assert not view.apply(DoneEvent(1, 9, "t"), 100.0)  # the view saw the worker's own number 9

@@ -4,8 +4,11 @@ import pytest
 
 from builders import rag_requests, request
 from nebula_engine.cluster.config import ClusterConfig
-from nebula_engine.cluster.sim import SimulationConfig, simulate
+from nebula_engine.cluster.messages import Action, CacheKind
+from nebula_engine.cluster.sim import SimulationConfig, Simulator, simulate
 from nebula_engine.cluster.sim_report import coefficient_of_variation, percentile
+from nebula_engine.workloads import load_workload, reuse_stats
+from nebula_engine.workloads.registry import WorkloadDataMissing
 
 CLUSTER = ClusterConfig(num_prefill_workers=4)
 
@@ -15,7 +18,7 @@ def config(**changes) -> SimulationConfig:
 
 
 def small_cache(tokens: int, **changes) -> SimulationConfig:
-    return config(cluster=CLUSTER.with_profile(cache_capacity_tokens=tokens), **changes)
+    return config(cluster=CLUSTER.with_profile(cache_capacity_tokens=tokens, host_capacity_tokens=0), **changes)
 
 
 def test_same_seed_same_report():
@@ -109,3 +112,60 @@ def test_report_arithmetic():
     assert percentile([5.0], 99) == 5.0
     assert coefficient_of_variation([1.0, 1.0]) == 0.0
     assert coefficient_of_variation([0.0, 2.0]) == 1.0
+
+
+TRACE_SLICES = {"ragpulse": 200, "tau-bench": 20, "chatdev": 12, "swe-agent": 13, "doc2dial": 40, "quac": 60}
+
+
+@pytest.fixture(scope="module")
+def trace_slices():
+    slices = {}
+    for name, limit in TRACE_SLICES.items():
+        try:
+            slices[name] = load_workload(name, limit=limit)
+        except WorkloadDataMissing:
+            continue  # a trace directory this checkout lacks (CI has ../shared/traces)
+    return slices
+
+
+@pytest.mark.parametrize("policy", ["pc", "local-pic", "nebula"])
+@pytest.mark.parametrize("capacity", [None, 3000])
+def test_hit_ratio_never_exceeds_the_analysis_bound(trace_slices, policy, capacity):
+    """Defect 1: every hit counted by the simulator is one the reuse analysis (`analyze`) allows."""
+    assert "ragpulse" in trace_slices  # the bundled slice at least
+    cluster = CLUSTER if capacity is None else CLUSTER.with_profile(cache_capacity_tokens=capacity,
+                                                                     host_capacity_tokens=2 * capacity)
+    for name, requests in trace_slices.items():
+        bound = reuse_stats(requests).pic_hit_tokens / reuse_stats(requests).total_tokens
+        report = simulate(config(cluster=cluster, policy=policy, qps=50.0), requests)
+        assert report.cache_hit_ratio <= bound + 1e-12, name
+
+
+def test_host_tier_serves_hits_the_device_evicted():
+    """Defect 3 / point 4: evicted entries are demoted to the host tier and read back from there."""
+    requests = rag_requests(400, documents=60)
+    device_only = simulate(small_cache(1500, qps=5.0), requests)
+    tiered = simulate(config(cluster=CLUSTER.with_profile(cache_capacity_tokens=1500, host_capacity_tokens=20_000),
+                             qps=5.0), requests)
+    assert device_only.host_hit_tokens == 0 < tiered.host_hit_tokens
+    assert tiered.cache_hit_ratio > device_only.cache_hit_ratio
+
+
+def test_fetched_segments_are_stored_at_the_home_and_reported():
+    """Point 4: a segment read from another worker lands in the home's store, and the view learns it."""
+    simulator = Simulator(config(qps=5.0), rag_requests(150))
+    plans, plan = [], simulator.control.on_request
+    simulator.control.on_request = lambda *args, **kwargs: plans.append(plan(*args, **kwargs)) or plans[-1]
+    simulator.run()
+    fetched = {(s.key, d.plan.combine_home) for d in plans for s in d.plan.segments
+               if s.action is Action.REUSE and s.worker != d.plan.combine_home}
+    assert len(fetched) > 10
+    for key, home in fetched:
+        assert simulator.caches[home].has(CacheKind.PIC, key)
+        assert simulator.control.view.holders(CacheKind.PIC, key, now=1e9)[home].confirmed
+
+
+def test_running_requests_hold_device_space_until_their_hand_off():
+    simulator = Simulator(small_cache(100_000, qps=1000.0), rag_requests(20))
+    simulator.run()
+    assert all(cache.device.pinned == 0 for cache in simulator.caches)  # every pin released at the end

@@ -112,12 +112,41 @@ def test_prefix_matches_per_worker():
 
 def test_presence_listener_hears_first_and_last_holder():
     heard = []
-    view = ClusterView(2, listener=lambda kind, key, present, n: heard.append((key, present)))
+    view = ClusterView(2, listener=lambda kind, key, tier, present, n: heard.append((key, tier, present)))
     view.apply(StoreEvent(0, 0, PIC, "doc", 100), now=0.0)
     view.apply(StoreEvent(1, 0, PIC, "doc", 100), now=0.0)
     view.apply(EvictEvent(0, 1, PIC, "doc"), now=0.0)
     view.apply(EvictEvent(1, 1, PIC, "doc"), now=0.0)
-    assert heard == [("doc", True), ("doc", False)]
+    assert heard == [("doc", Tier.DEVICE, True), ("doc", Tier.DEVICE, False)]
+
+
+def test_presence_is_per_tier():
+    heard = []
+    view = ClusterView(2, listener=lambda kind, key, tier, present, n: heard.append((tier, present)))
+    view.apply(StoreEvent(0, 0, PIC, "doc", 100), now=0.0)
+    view.apply(EvictEvent(0, 1, PIC, "doc"), now=0.0)  # demoted: evict from the device, store on the host
+    view.apply(StoreEvent(0, 2, PIC, "doc", 100, Tier.HOST), now=0.0)
+    view.apply(StoreEvent(0, 3, PIC, "doc", 100, Tier.DISK), now=0.0)  # a move reported as one store
+    assert heard == [(Tier.DEVICE, True), (Tier.DEVICE, False), (Tier.HOST, True), (Tier.HOST, False),
+                     (Tier.DISK, True)]
+    assert view.holders(PIC, "doc", now=0.0)[0].tier is Tier.DISK
+
+
+def test_duplicate_and_stale_events_are_ignored_until_the_worker_restarts():
+    view = ClusterView(2)
+    assert view.apply(StoreEvent(0, 7, PIC, "doc", 100), now=0.0)
+    assert not view.apply(EvictEvent(0, 7, PIC, "doc"), now=0.0)  # a duplicate of seq 7
+    assert not view.apply(EvictEvent(0, 3, PIC, "doc"), now=0.0)  # older than what was applied
+    assert 0 in view.holders(PIC, "doc", now=0.0)
+    view.forget_worker(0)  # the worker restarted: its numbering starts again
+    assert view.apply(StoreEvent(0, 1, PIC, "new", 10), now=0.0)
+
+
+def test_prefix_match_counts_device_copies_only():
+    view = ClusterView(2)
+    view.apply(StoreEvent(0, 0, CacheKind.PC, "k1", 10), now=0.0)
+    view.apply(StoreEvent(1, 0, CacheKind.PC, "k1", 10, Tier.HOST), now=0.0)
+    assert view.prefix_matches(["k1"], now=0.0) == {0: 1}
 
 
 def test_snapshot_install_rebuilds_view():

@@ -81,4 +81,4 @@ def test_rebuilt_prompts_track_logged_prompt_tokens(shared_traces):
     requests = load_workload("chatdev", shared_traces, limit=4)
     assert len({r.session_id for r in requests}) == 4
     ratio = statistics.median(r.num_tokens / r.metadata[LOGGED_PROMPT_TOKENS] for r in requests)
-    assert 0.8 < ratio < 1.5  # chars/4 vs GPT tokens
+    assert 0.95 < ratio < 1.05  # Qwen3 tokens (the paper serves ChatDev with Qwen3) vs the logged GPT tokens

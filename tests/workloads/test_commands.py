@@ -35,6 +35,8 @@ def test_json_output(run):
     payload = json.loads(run("ragpulse", "--limit", "50", "--json").output)
     assert payload["workload"] == "ragpulse" and payload["ours"]["requests"] == 50
     assert payload["paper"]["pc"] == 31.53
+    assert payload["hit_ratio_bound"] == pytest.approx(payload["ours"]["pic"] / 100)
+    assert payload["pc_hit_ratio_bound"] == pytest.approx(payload["ours"]["pc"] / 100)
     assert any("first 50 trace lines" in note for note in payload["notes"])
 
 
@@ -71,7 +73,7 @@ def test_chatdev_reports_rebuilt_vs_logged_size(run, shared_traces):
     result = run("chatdev", "--data", str(shared_traces), "--limit", "2")
     assert result.exit_code == 0, result.output
     assert "rebuilt / logged prompt_tokens: median" in result.output
-    assert "tokens: estimate (chars/4)" in result.output
+    assert "tokens: qwen3" in result.output  # the paper serves ChatDev with Qwen3
 
 
 def test_tokenizer_file_gives_real_counts(run, shared_traces, tmp_path):
@@ -82,5 +84,15 @@ def test_tokenizer_file_gives_real_counts(run, shared_traces, tmp_path):
     tokenizer.save(str(tmp_path / "tokenizer.json"))
     result = run("tau-bench", "--data", str(shared_traces), "--limit", "2", "--tokenizer", str(tmp_path))
     assert result.exit_code == 0, result.output
-    assert "tokens: tokenizer" in result.output
+    assert f"tokens: tokenizer file {tmp_path}" in result.output
     assert run("tau-bench", "--tokenizer", str(tmp_path / "none.json")).exit_code == 2
+
+
+def test_tau_bench_counts_tokens_with_the_papers_tokenizer(run, shared_traces):
+    """Point 8: the retail policy is 1,236 Qwen3.5 tokens (the paper's 1,240-token segment), not 1,420 (chars/4)."""
+    payload = json.loads(run("tau-bench", "--data", str(shared_traces), "--limit", "3", "--json").output)
+    assert payload["ours"]["segment_length"]["p99"] == 1236.0
+    assert any("tokens: qwen3.5" in note for note in payload["notes"])
+    estimate = json.loads(run("tau-bench", "--data", str(shared_traces), "--limit", "3", "--tokenizer", "chars/4",
+                              "--json").output)
+    assert estimate["ours"]["segment_length"]["p99"] == 1420.0
