@@ -50,6 +50,13 @@ def _raise_if_missing_extra(error: ImportError) -> None:
         raise click.ClickException(str(missing)) from error
 
 
+def _shorten(text: str, limit: int) -> str:
+    """``text`` cut at a word boundary to fit ``limit`` characters, as click shortens a command's help."""
+    if len(text) <= limit:
+        return text
+    return text[:max(limit - 3, 1)].rsplit(" ", 1)[0].rstrip(",;:") + "..."
+
+
 class LazyGroup(click.Group):
     """Subcommands imported on first use; the listing shows their summaries from :data:`COMMANDS`."""
 
@@ -61,8 +68,7 @@ class LazyGroup(click.Group):
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         limit = formatter.width - 6 - max(len(name) for name in COMMANDS)
-        rows = [(name, click.utils.make_default_short_help(summary, limit)) for name, (_, summary) in
-                sorted(COMMANDS.items())]
+        rows = [(name, _shorten(summary, limit)) for name, (_, summary) in sorted(COMMANDS.items())]
         with formatter.section("Commands"):
             formatter.write_dl(rows)
 

@@ -13,7 +13,6 @@ from types import ModuleType
 EXTRA_OF_MODULE = {
     "gguf": "gguf",
     "zmq": "cluster",
-    "msgspec": "cluster",
     "pysyncobj": "cluster",
     "cryptography": "cluster",
     "psutil": "cluster",

@@ -190,12 +190,12 @@ def _serve_cluster(model, served_model_name, host, port, log_level, prefill_work
             raise click.UsageError(f"bad cluster spec {cluster_file}: {exc}") from exc
         if role is not None and role != peer.role:
             raise click.UsageError(f"--role {role} but {name} is a {peer.role} peer in {cluster_file}")
-        _check_listen(_peer_addresses(spec, peer, cluster_file))
         logging.basicConfig(level=log_level.upper())
         try:
             runner = Peer(spec, name, options, model, served_model_name or model, settings)
         except SecretError as exc:
             raise click.UsageError(str(exc)) from exc
+        _check_listen(_peer_addresses(spec, peer, cluster_file))  # Peer() checked the settings; run() loads the model
         asyncio.run(runner.run())
         return
     try:
