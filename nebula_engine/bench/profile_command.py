@@ -6,7 +6,6 @@ from pathlib import Path
 
 import click
 
-from nebula_engine.bench.profile import ProfileOptions, build_profile, write_profile
 from nebula_engine.cli_types import DEVICE
 
 
@@ -29,6 +28,8 @@ from nebula_engine.cli_types import DEVICE
               help="How KV moves between workers: NIXL over loopback (auto: when NIXL imports) or an in-process copy.")
 def profile(model: str | None, out_path: Path, backends: tuple[str, ...], **options) -> None:
     """Measure prefill, per-backend combine cost and KV transfer on this machine; write a profile JSON."""
+    from nebula_engine.bench.profile import ProfileOptions, build_profile, write_profile
+
     if model is None:
         from nebula_engine.bench.cluster_compare import bench_model_dir
 

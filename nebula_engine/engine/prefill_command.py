@@ -11,7 +11,6 @@ from pathlib import Path
 import click
 
 from nebula_engine.cli_types import DEVICE
-from nebula_engine.engine.offline_prefill import UNLIMITED_DISK_TOKENS
 
 
 @click.command()
@@ -40,7 +39,7 @@ def prefill(model, input_path, disk_cache_path, pic_backend, disk_cache_tokens, 
     from tqdm import tqdm
 
     from nebula_engine.engine.commands import check_local_model
-    from nebula_engine.engine.offline_prefill import OfflinePrefill, build_prefill_engine
+    from nebula_engine.engine.offline_prefill import UNLIMITED_DISK_TOKENS, OfflinePrefill, build_prefill_engine
 
     if not input_path.is_file():
         raise click.BadParameter(f"no such file: {input_path}", param_hint="--input")

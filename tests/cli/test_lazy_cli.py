@@ -62,10 +62,18 @@ def blocked(modules: tuple[str, ...], code: str) -> subprocess.CompletedProcess:
     return run_python("import sys\n" + block + code)
 
 
-def test_a_command_whose_extra_is_missing_says_which_extra_in_one_line():
-    result = blocked(("aiohttp",), "from nebula_engine.cli import main\nmain(['bench', '--help'])")
+def test_a_command_whose_module_needs_a_missing_extra_says_which_in_one_line():
+    result = blocked(("aiohttp",), "from nebula_engine.cli import main\nmain(['compare', '--help'])")
     assert result.returncode == 1
     assert result.stderr.strip() == "Error: aiohttp is not installed: pip install 'nebula-engine[bench]'"
+
+
+def test_a_command_that_imports_a_missing_extra_when_it_runs_says_which_in_one_line():
+    run = "main(['bench', '--url', 'http://127.0.0.1:9', '--trace', 'ragpulse', '--qps', '1'])"
+    result = blocked(("aiohttp",), "from nebula_engine.cli import main\n" + run)
+    assert result.returncode == 1
+    assert result.stderr.strip() == "Error: aiohttp is not installed: pip install 'nebula-engine[bench]'"
+    assert blocked(("aiohttp",), "from nebula_engine.cli import main\nmain(['bench', '--help'])").returncode == 0
 
 
 def test_the_cluster_transport_names_the_cluster_extra():
