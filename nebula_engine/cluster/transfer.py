@@ -47,7 +47,7 @@ import msgspec
 import numpy as np
 import torch
 
-from nebula_engine.extras import MissingExtra, require_extra
+from nebula_engine.extras import require_extra
 
 logger = logging.getLogger(__name__)
 
@@ -104,10 +104,7 @@ def confine_ucx_to(host: str) -> None:
 
 
 def _nixl_api():
-    try:
-        return importlib.import_module("nixl._api")
-    except ImportError as e:
-        raise MissingExtra("nixl", "cluster") from e
+    return require_extra("nixl._api", "cluster")
 
 
 @dataclass(frozen=True)
