@@ -38,6 +38,18 @@ def test_a_cuda_index_past_the_last_device_is_named():
         check_device(f"cuda:{count}")
 
 
+def test_a_cuda_build_without_a_visible_gpu_says_so(monkeypatch):
+    # no GPU here: torch's own CUDA queries stand in for a CUDA build on a machine without (enough) GPUs
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(DeviceError, match=r"built with CUDA but sees no GPU \(check the driver and CUDA_VISIBLE"):
+        check_device("cuda")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    check_device("cuda:1")
+    with pytest.raises(DeviceError, match=r"^device 'cuda:2': this machine has 2 CUDA device\(s\), cuda:0 to cuda:1$"):
+        check_device("cuda:2")
+
+
 def test_the_engine_config_checks_its_device_before_resolving_the_model():
     with pytest.raises(DeviceError, match="unknown device 'gpu'"):
         EngineConfig("/nonexistent/model", device="gpu")
