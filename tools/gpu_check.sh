@@ -35,8 +35,13 @@ fi
 VPY="$VENV/bin/python"
 has_cuda_torch "$VPY" || { echo "gpu_check: $VPY has no CUDA-enabled torch; set GPU_VENV or PYTHON" >&2; exit 2; }
 
-mapfile -t GPU_REQS < <("$VPY" -c 'import tomllib; print("\n".join(
-    tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["gpu"]))')
+# the gpu extra's packages (pyproject.toml) at their exact versions (constraints.txt)
+mapfile -t GPU_REQS < <("$VPY" -c 'import re, tomllib
+key = lambda name: re.sub(r"[-_.]+", "-", name).lower()
+extra = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["gpu"]
+pins = dict(map(str.strip, line.split("#")[0].split("==")) for line in open("constraints.txt") if "==" in line.split("#")[0])
+pins = {key(name): version for name, version in pins.items()}
+print("\n".join(f"{name}=={pins[key(name)]}" for name in (re.match(r"[A-Za-z0-9_.-]+", r)[0] for r in extra)))')
 if "$VPY" - "${GPU_REQS[@]}" <<'PYEOF'
 import sys
 from importlib.metadata import PackageNotFoundError, version

@@ -1,6 +1,5 @@
-"""Benchmark clients: trace replay against an OpenAI-compatible server (TTFT, CHR, goodput)."""
+"""Benchmark clients: trace replay against an OpenAI-compatible server (TTFT, CHR, goodput).
 
-from nebula_engine.bench.replay import BenchError, ReplayOptions, ReplayResult, RequestRecord, replay
-from nebula_engine.bench.report import summarize, write_report
-
-__all__ = ["BenchError", "ReplayOptions", "ReplayResult", "RequestRecord", "replay", "summarize", "write_report"]
+Import from the modules (``bench.replay``, ``bench.report``): this package imports nothing, so its commands load
+without the bench extra (aiohttp, matplotlib).
+"""

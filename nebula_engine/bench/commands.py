@@ -7,8 +7,6 @@ from pathlib import Path
 
 import click
 
-from nebula_engine.bench.replay import BenchError, ReplayOptions, replay
-from nebula_engine.bench.report import format_summary, summarize, write_report
 from nebula_engine.workloads.registry import WORKLOADS, WorkloadDataMissing, load_workload
 
 TRACE_ALIASES = {"swe": "swe-agent"}
@@ -42,6 +40,9 @@ TRACE_ALIASES = {"swe": "swe-agent"}
 def bench(url: str, trace: str, qps: float, num_requests: int, seed: int, data_dir: Path | None,
           out_dir: Path, label: str | None, ttft_slo: float, **options) -> None:
     """Replay TRACE against the OpenAI-compatible server at --url with Poisson arrivals at --qps."""
+    from nebula_engine.bench.replay import BenchError, ReplayOptions, replay
+    from nebula_engine.bench.report import format_summary, summarize, write_report
+
     workload = TRACE_ALIASES.get(trace, trace)
     try:
         requests = load_workload(workload, data_dir=data_dir, limit=num_requests, seed=seed)[:num_requests]

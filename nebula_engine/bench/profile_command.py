@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from nebula_engine.bench.profile import ProfileOptions, build_profile, write_profile
+from nebula_engine.cli_types import DEVICE
 
 
 @click.command("profile")
@@ -14,7 +14,7 @@ from nebula_engine.bench.profile import ProfileOptions, build_profile, write_pro
               help="Checkpoint dir or model name the engine accepts [default: the random Qwen3 `compare` uses].")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=Path("profile.json"),
               show_default=True)
-@click.option("--device", default="cpu", show_default=True)
+@click.option("--device", type=DEVICE, default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
 @click.option("--page-size", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--num-pages", type=click.IntRange(min=64), default=2048, show_default=True,
@@ -28,6 +28,8 @@ from nebula_engine.bench.profile import ProfileOptions, build_profile, write_pro
               help="How KV moves between workers: NIXL over loopback (auto: when NIXL imports) or an in-process copy.")
 def profile(model: str | None, out_path: Path, backends: tuple[str, ...], **options) -> None:
     """Measure prefill, per-backend combine cost and KV transfer on this machine; write a profile JSON."""
+    from nebula_engine.bench.profile import ProfileOptions, build_profile, write_profile
+
     if model is None:
         from nebula_engine.bench.cluster_compare import bench_model_dir
 

@@ -21,11 +21,13 @@ import math
 import time
 from dataclasses import dataclass
 
-import aiohttp
 import numpy as np
 import xxhash
 
+from nebula_engine.extras import require_extra
 from nebula_engine.workloads.request import Request, Segment, SegmentKind
+
+aiohttp = require_extra("aiohttp", "bench")
 
 logger = logging.getLogger(__name__)
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from nebula_engine.bench.replay import ReplayResult
+from nebula_engine.extras import require_extra
 
 PERCENTILES = (50, 95, 99)
 
@@ -91,6 +92,7 @@ def _nan_to_none(summary: dict) -> dict:
 
 
 def plot_ttft_cdf(path: Path, ttfts_s: list[float], slo_s: float, label: str) -> None:
+    require_extra("matplotlib", "bench")
     from matplotlib.figure import Figure  # the object API: no pyplot state, no GUI backend
 
     figure = Figure(figsize=(5, 3.5), layout="constrained")

@@ -28,6 +28,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nebula_engine.extras import require_extra
+
 logger = logging.getLogger(__name__)
 
 LeaderCallback = Callable[[str | None], None]
@@ -122,6 +124,7 @@ class RaftElection(LeaderElection):
         self._sync = None
 
     def start(self) -> None:
+        require_extra("pysyncobj", "cluster")
         from pysyncobj import SyncObj, SyncObjConf, SyncObjException
 
         if self._sync is not None:
@@ -216,6 +219,7 @@ class EtcdElection(LeaderElection):
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
+        require_extra("etcd3gw", "cluster")
         from etcd3gw.client import Etcd3Client
 
         if self._thread is not None:

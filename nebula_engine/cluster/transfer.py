@@ -47,6 +47,8 @@ import msgspec
 import numpy as np
 import torch
 
+from nebula_engine.extras import require_extra
+
 logger = logging.getLogger(__name__)
 
 METADATA_VERSION = 1
@@ -73,7 +75,7 @@ UCX_DEVICES_ENV = "UCX_NET_DEVICES"
 
 def interface_of(host: str) -> str:
     """The network interface that owns ``host``'s address (``lo`` for loopback); ValueError if none here does."""
-    import psutil
+    psutil = require_extra("psutil", "cluster")
 
     try:
         wanted = {ipaddress.ip_address(info[4][0].split("%")[0]) for info in socket.getaddrinfo(host, None)}
@@ -102,11 +104,7 @@ def confine_ucx_to(host: str) -> None:
 
 
 def _nixl_api():
-    try:
-        return importlib.import_module("nixl._api")
-    except ImportError as e:
-        raise ImportError("KV transfer between workers needs NIXL: `pip install nixl` "
-                          "(without it, workers cannot share KV pages)") from e
+    return require_extra("nixl._api", "cluster")
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,13 @@ from __future__ import annotations
 import logging
 
 import msgspec
-import zmq
-import zmq.asyncio
 
 from nebula_engine.cluster import wire
 from nebula_engine.cluster.auth import FrameRejected, FrameSealer, RateLimitedLog
+from nebula_engine.extras import require_extra
+
+zmq = require_extra("zmq", "cluster")
+require_extra("zmq.asyncio", "cluster")  # makes zmq.asyncio an attribute of zmq
 
 logger = logging.getLogger(__name__)
 

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import click
 
+from nebula_engine.cli_types import DEVICE
+
 DEFAULT_PROMPTS = (
     "The capital of France is",
     "Write a haiku about paged attention:",
@@ -50,7 +52,7 @@ def check_local_model(model: str | None) -> None:
 @click.option("--top-k", type=click.IntRange(min=-1), default=0, show_default=True, help="0 or -1: no limit.")
 @click.option("--seed", type=int, default=None, help="Per-request sampling seed.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
-@click.option("--device", default="cpu", show_default=True)
+@click.option("--device", type=DEVICE, default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--chat", is_flag=True, help="Send each prompt as a user message through the chat template.")
 def generate(model, prompts, max_tokens, temperature, top_p, top_k, seed, dtype, device, chat):
     """Generate completions for a few prompts and print them with throughput."""

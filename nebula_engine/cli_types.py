@@ -1,0 +1,23 @@
+"""Click parameter types shared by the commands."""
+
+from __future__ import annotations
+
+import click
+
+from nebula_engine.devices import DeviceError, check_device
+
+
+class DeviceType(click.ParamType):
+    """A torch device string the engine can run on here (checked when the command runs, before any model loads)."""
+
+    name = "device"
+
+    def convert(self, value, param, ctx):
+        try:
+            check_device(str(value))
+        except DeviceError as error:
+            self.fail(str(error), param, ctx)
+        return str(value)
+
+
+DEVICE = DeviceType()
