@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 
 from nebula_engine.engine.outputs import CompletionOutput, RequestOutput
-from nebula_engine.server.responses import ChatCompletionStream, CompletionStream, TextDeltas, usage
+from nebula_engine.server.responses import ChatCompletionStream, ChoiceFormat, CompletionStream, TextDeltas, usage
 
 
 def output(text: str, num_tokens: int, finished: bool = False, finish_reason: str | None = None) -> RequestOutput:
-    completion = CompletionOutput(0, text, list(range(num_tokens)), [0.0] * num_tokens, finish_reason)
+    completion = CompletionOutput(0, text, list(range(num_tokens)), logprobs=None,
+                                  finish_reason=finish_reason)
     return RequestOutput("r", None, [1, 2, 3, 4], [completion], finished=finished, num_cached_tokens=3,
                          num_prefix_cached_tokens=2, num_pic_cached_tokens=1, num_recomputed_tokens=1)
 
@@ -22,15 +23,14 @@ def payload(event: str) -> dict:
 def test_text_that_a_stop_string_could_still_remove_is_held_back():
     deltas = TextDeltas(stop=("wor", "x"))
     # the engine's cumulative text; at the end it found "wor" and cut the text before it
-    sent = [deltas.next(output("Hel", 1)), deltas.next(output("Hello wo", 2)),
-            deltas.next(output("Hello ", 3, finished=True, finish_reason="stop"))]
+    sent = [deltas.next("Hel", False), deltas.next("Hello wo", False), deltas.next("Hello ", True)]
     assert sent == ["H", "ello ", ""]
     assert "".join(sent) == "Hello "
 
 
 def test_without_stop_strings_every_character_goes_out_at_once():
     deltas = TextDeltas(stop=())
-    assert [deltas.next(output("ab", 1)), deltas.next(output("abcd", 2, finished=True))] == ["ab", "cd"]
+    assert [deltas.next("ab", False), deltas.next("abcd", True)] == ["ab", "cd"]
 
 
 def test_usage_splits_cached_tokens_by_kind():
@@ -41,7 +41,7 @@ def test_usage_splits_cached_tokens_by_kind():
 
 
 def test_chat_stream_opens_with_the_role_and_ends_with_usage_then_done():
-    stream = ChatCompletionStream("chatcmpl-1", "m", stop=(), include_usage=True)
+    stream = ChatCompletionStream("chatcmpl-1", "m", ChoiceFormat(), include_usage=True)
     # the repeated output brings no new text, so it sends no chunk
     events = stream.opening() + stream.events(output("Hi", 1)) + stream.events(output("Hi", 1))
     final = output("Hi!", 2, finished=True, finish_reason="length")
@@ -57,11 +57,11 @@ def test_chat_stream_opens_with_the_role_and_ends_with_usage_then_done():
 
 
 def test_completion_stream_without_usage_has_no_usage_field():
-    stream = CompletionStream("cmpl-1", "m", stop=(), include_usage=False)
+    stream = CompletionStream("cmpl-1", "m", ChoiceFormat(), include_usage=False)
     final = output("ok", 1, finished=True, finish_reason="stop")
     events = stream.opening() + stream.events(final) + stream.closing(final)
     assert [payload(e) for e in events[:-1]] == [{"id": "cmpl-1", "object": "text_completion",
                                                   "created": payload(events[0])["created"], "model": "m",
                                                   "choices": [{"index": 0, "text": "ok", "logprobs": None,
-                                                               "finish_reason": "stop"}]}]
+                                                               "finish_reason": "stop", "stop_reason": None}]}]
     assert events[-1] == "data: [DONE]\n\n"
