@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from jinja2 import TemplateError
+
 from nebula_engine.engine.sampling_params import SamplingParams
 from nebula_engine.engine.tokenizer import Tokenizer
 from nebula_engine.pic.segments import PICSyntaxError, SegmentedPrompt, segment_token_lists
@@ -56,7 +58,7 @@ def chat_input(request: ChatCompletionRequest, tokenizer: Tokenizer, max_model_l
         raise APIError(f"bad <pic> markup: {exc}", param="messages", code="invalid_pic_tags") from exc
     except ValueError as exc:  # no chat template, or one that mangles PIC placeholders
         raise APIError(str(exc), param="messages") from exc
-    except Exception as exc:  # the template's own checks (jinja raise_exception): roles out of order, ...
+    except TemplateError as exc:  # the template's own checks (raise_exception): roles out of order, ...
         raise APIError(f"the chat template refused the messages: {exc}", param="messages") from exc
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     return _engine_input(request, [prompt], "messages", request.max_output_tokens, max_model_len, tokenizer,

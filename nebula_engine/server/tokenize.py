@@ -7,6 +7,8 @@ conversation does not (its template writes them). ``<pic>`` tags are text here: 
 
 from __future__ import annotations
 
+from jinja2 import TemplateError
+
 from nebula_engine.engine.tokenizer import Tokenizer
 from nebula_engine.server.chat_messages import template_messages, template_tools
 from nebula_engine.server.errors import APIError
@@ -20,7 +22,7 @@ def tokenize_request(request: TokenizeRequest, tokenizer: Tokenizer, max_model_l
         try:
             text, _ = tokenizer.apply_chat_template(template_messages(request.messages),
                                                     template_tools(request.tools), request.add_generation_prompt)
-        except Exception as exc:  # no template, or the template's own checks
+        except (ValueError, TemplateError) as exc:  # no template, or the template's own checks
             raise APIError(f"cannot render the messages: {exc}", param="messages") from exc
         add_special = bool(request.add_special_tokens)
     tokens = tokenizer.encode(text) if add_special else tokenizer.encode_plain(text)

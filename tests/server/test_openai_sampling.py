@@ -174,3 +174,18 @@ def test_response_format_json_schema_gives_valid_json(client):
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL_NAME, messages=CHAT, response_format={
             "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "no-such-type"}}})
+
+
+@pytest.mark.parametrize("fields, param", [
+    (dict(temperature=5), "temperature"), (dict(n=0), "n"), (dict(top_logprobs=3), "top_logprobs"),
+    (dict(logit_bias={"not-a-token": 5}), "logit_bias"), (dict(logit_bias={"7": 500}), "logit_bias"),
+    (dict(presence_penalty=-3), "presence_penalty"),
+    (dict(tool_choice={"type": "function", "function": {"name": "missing"}},
+          tools=[{"type": "function", "function": {"name": "present"}}]), "tool_choice"),
+    (dict(response_format={"type": "json_schema"}), "response_format"),
+])
+def test_the_openai_client_sees_bad_values_as_bad_requests_naming_the_field(client, fields, param):
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=2, **fields)
+    assert raised.value.body["param"] == param and raised.value.body["message"]
+    assert client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=2).choices[0].message
