@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -39,10 +38,6 @@ class ChoiceFormat:
 
 def sse_event(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload)}\n\n"
-
-
-def tool_call_id() -> str:
-    return f"chatcmpl-tool-{uuid.uuid4().hex}"  # vLLM's form
 
 
 def usage(outputs: RequestOutput | Sequence[RequestOutput]) -> Usage:
@@ -85,7 +80,8 @@ def chat_response(response_id: str, model: str, final: RequestOutput, form: Choi
         logprobs = None if form.top_logprobs is None else ChatLogprobs(content=chat_logprobs(
             completion.token_ids, completion.logprobs, form.top_logprobs, form.token_text))
         message = ChatMessageOut(content=content, tool_calls=[
-            ToolCallOut(id=tool_call_id(), function={"name": c.name, "arguments": c.arguments}) for c in calls])
+            ToolCallOut(id=form.tool_parser.new_call_id(), function={"name": c.name, "arguments": c.arguments})
+            for c in calls])
         choices.append(ChatChoice(index=completion.index, message=message, logprobs=logprobs,
                                   finish_reason=_finish_reason(completion.finish_reason, form, bool(calls)),
                                   stop_reason=completion.stop_reason))
@@ -225,7 +221,7 @@ class ChatCompletionStream(CompletionStream):
         return events
 
     def _call_events(self, index: int, number: int, call: ParsedCall) -> list[str]:
-        opening = {"index": number, "id": tool_call_id(), "type": "function",
+        opening = {"index": number, "id": self._form.tool_parser.new_call_id(), "type": "function",
                    "function": {"name": call.name, "arguments": ""}}
         arguments = {"index": number, "function": {"arguments": call.arguments}}
         return [self._choice(index, {"tool_calls": [opening]}), self._choice(index, {"tool_calls": [arguments]})]

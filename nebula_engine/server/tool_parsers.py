@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -41,6 +42,10 @@ class ToolParser(ABC):
     markers: ClassVar[tuple[str, ...]]  # texts that open the tool-call part of an output
     # the markers are special tokens, which the detokenizer drops unless told to keep them (vLLM does the same)
     keeps_special_tokens: ClassVar[bool] = False
+
+    @staticmethod
+    def new_call_id() -> str:
+        return f"chatcmpl-tool-{uuid.uuid4().hex}"  # vLLM's form
 
     def calls_start(self, text: str) -> int | None:
         """Where the tool-call markup begins in ``text``, None if it has not (yet) begun."""
@@ -129,6 +134,10 @@ class MistralToolParser(ToolParser):
     markers = ("[TOOL_CALLS]",)
     keeps_special_tokens = True
     _ARGS = "[ARGS]"
+
+    @staticmethod
+    def new_call_id() -> str:
+        return uuid.uuid4().hex[:9]  # Mistral's templates refuse ids that are not 9 alphanumerics (vLLM's too)
 
     def calls(self, markup: str, finished: bool) -> list[ParsedCall]:
         body = markup[len("[TOOL_CALLS]"):]

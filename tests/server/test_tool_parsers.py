@@ -90,3 +90,9 @@ def test_the_parser_follows_the_chat_template():
     assert isinstance(tool_parser("qwen3"), HermesToolParser)
     with pytest.raises(ValueError, match="unknown tool call parser 'nope'"):
         tool_parser("nope")
+
+
+def test_call_ids_fit_each_familys_template():
+    assert HermesToolParser.new_call_id().startswith("chatcmpl-tool-")
+    mistral_id = MistralToolParser.new_call_id()  # Mistral's template raises on any other id
+    assert len(mistral_id) == 9 and mistral_id.isalnum()
