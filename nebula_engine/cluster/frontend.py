@@ -240,8 +240,8 @@ class ClusterFrontend:
             stop = find_stop_string(text, len(pending.current.text), pending.params.stop)
             if stop is not None and stop[1] < len(pending.earlier.text):
                 text, finished, finish_reason, stop_reason = text[:stop[1]], True, "stop", stop[0]
-        completion = CompletionOutput(0, text, list(streamed.token_ids), list(streamed.logprobs), finish_reason,
-                                      stop_reason)
+        completion = CompletionOutput(0, text, list(streamed.token_ids), finish_reason=finish_reason,
+                                      stop_reason=stop_reason, token_logprobs=list(streamed.logprobs))
         prefix, pic, recomputed = pending.cached or (0, 0, 0)
         return RequestOutput(pending.submit.request_id, None, list(pending.submit.token_ids), [completion],
                              finished=finished, num_cached_tokens=prefix + pic, num_prefix_cached_tokens=prefix,

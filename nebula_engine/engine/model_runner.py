@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from nebula_engine.engine.sampler import Sampler, SamplerOutput
+from nebula_engine.engine.sampler import RowHistory, Sampler, SamplerOutput
 from nebula_engine.engine.scheduler import ScheduledSequence, SchedulerOutput
 from nebula_engine.kernels.attention import AttentionBackend, AttentionContext, AttentionMetadata
 from nebula_engine.kernels.mla_attention import mla_backend_for
@@ -74,7 +74,8 @@ class ModelRunner:
             return ModelRunnerOutput([], SamplerOutput([], []), failed)
         seq_ids = [s.seq_id for s in sampling]
         logits = self.model.compute_logits(torch.cat([hidden for _, hidden in parts]))
-        sampled = self.sampler(logits, seq_ids, [s.seq.sampling_params for s in sampling])
+        sampled = self.sampler(logits, seq_ids, [s.seq.sampling_params for s in sampling],
+                               [RowHistory(s.seq.token_ids, s.seq.num_prompt_tokens) for s in sampling])
         for seq_id, exc in sampled.failed.items():
             logger.error("request %s failed: its sampling state could not be built", seq_id, exc_info=exc)
         failed.update(sampled.failed)

@@ -30,7 +30,9 @@ class Sequence:
         self.num_pic_cached_tokens = 0  # prompt tokens taken from the PIC store (combine prefill)
         self.num_recomputed_tokens = 0  # of those, the ones the PIC backend recomputed
         self.status = SequenceStatus.WAITING
-        self.output_logprobs: list[float] = []
+        self.output_logprobs: list[float] = []  # each sampled token's
+        self.output_top_logprobs: list = []  # outputs.Logprob dicts per token, only when params.logprobs is set
+        self.prompt_logprobs: list | None = None  # outputs.PromptLogprobs, only when params.prompt_logprobs is set
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0

@@ -11,8 +11,8 @@ from nebula_engine.server.tool_parsers import HermesToolParser
 
 
 def output(text: str, num_tokens: int, finished: bool = False, finish_reason: str | None = None) -> RequestOutput:
-    completion = CompletionOutput(0, text, list(range(num_tokens)), logprobs=None,
-                                  finish_reason=finish_reason)
+    completion = CompletionOutput(0, text, list(range(num_tokens)), finish_reason=finish_reason,
+                                  token_logprobs=[0.0] * num_tokens)
     return RequestOutput("r", None, [1, 2, 3, 4], [completion], finished=finished, num_cached_tokens=3,
                          num_prefix_cached_tokens=2, num_pic_cached_tokens=1, num_recomputed_tokens=1)
 
