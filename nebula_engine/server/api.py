@@ -31,7 +31,7 @@ from nebula_engine.engine.outputs import RequestOutput
 from nebula_engine.server.engine_client import EngineClient, EngineDeadError, EngineError
 from nebula_engine.server.errors import INTERNAL_ERROR, APIError, from_validation_errors
 from nebula_engine.server.guards import APIKeyGuard, BodySizeLimit
-from nebula_engine.server.inputs import EngineInput, chat_input, completion_input
+from nebula_engine.server.inputs import EngineInput, OutputSettings, chat_input, completion_input
 from nebula_engine.server.limits import DEFAULT_MAX_REQUEST_BYTES
 from nebula_engine.server.metrics import ServerMetrics
 from nebula_engine.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -49,11 +49,13 @@ ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat_com
 
 
 def build_app(client: EngineClient, model_name: str, *, api_key: str | None = None,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, tool_call_parser: str | None = None) -> FastAPI:
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, tool_call_parser: str | None = None,
+              disable_any_whitespace: bool = False) -> FastAPI:
     """The app; ``app.state.metrics`` is its ``ServerMetrics`` (``register`` more collectors there).
 
     ``tool_call_parser``: the format of tool calls in the model's output (``tool_parsers.TOOL_PARSERS``); None:
-    recognised from the model's chat template.
+    recognised from the model's chat template. ``disable_any_whitespace``: constrained JSON outputs
+    (``response_format``, forced tool calls) are compact (vLLM's structured-outputs option).
 
     ``api_key``: when given, every ``/v1`` route needs ``Authorization: Bearer <api_key>`` (401 otherwise);
     ``/health``, ``/metrics`` and routes added outside ``/v1`` stay open. ``max_request_bytes``: a larger request
@@ -63,6 +65,7 @@ def build_app(client: EngineClient, model_name: str, *, api_key: str | None = No
     app.state.metrics = metrics
     server = _Server(client, model_name, metrics)
     parser = tool_parser(tool_call_parser) if tool_call_parser else parser_for_template(client.tokenizer.chat_template)
+    settings = OutputSettings(parser, disable_any_whitespace)
     _add_error_handlers(app, metrics)
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
     if api_key is not None:
@@ -92,12 +95,12 @@ def build_app(client: EngineClient, model_name: str, *, api_key: str | None = No
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         return await server.serve(raw, body, "completions", "cmpl",
-                                  lambda: completion_input(body, client.tokenizer, client.max_model_len))
+                                  lambda: completion_input(body, client.tokenizer, client.max_model_len, settings))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await server.serve(raw, body, "chat_completions", "chatcmpl",
-                                  lambda: chat_input(body, client.tokenizer, client.max_model_len, parser))
+                                  lambda: chat_input(body, client.tokenizer, client.max_model_len, settings))
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:

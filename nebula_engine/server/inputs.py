@@ -32,6 +32,16 @@ _VLLM_DEFAULTS = dict(n=1, min_p=0.0, presence_penalty=0.0, frequency_penalty=0.
 
 
 @dataclass(frozen=True)
+class OutputSettings:
+    """Server-wide choices about outputs."""
+
+    tool_parser: ToolParser | None = None  # the served model's tool-call format (None: it has none)
+    # vLLM's structured-outputs option: constrained JSON (response_format, forced tool calls) has no free
+    # whitespace between tokens, so a weak model cannot wander in whitespace until max_tokens
+    disable_any_whitespace: bool = False
+
+
+@dataclass(frozen=True)
 class EngineInput:
     prompts: tuple[EnginePrompt, ...]  # one engine request each (a completions batch); each gives n choices
     params: SamplingParams
@@ -41,17 +51,16 @@ class EngineInput:
     n: int = 1  # completions per prompt
 
 
-def completion_input(request: CompletionRequest, tokenizer: Tokenizer, max_model_len: int) -> EngineInput:
+def completion_input(request: CompletionRequest, tokenizer: Tokenizer, max_model_len: int,
+                     settings: OutputSettings = OutputSettings()) -> EngineInput:
     prompts = _completion_prompts(request, tokenizer)
-    top = request.logprobs
     return _engine_input(request, prompts, "prompt", request.max_tokens, max_model_len, tokenizer,
-                         logprobs=top, structured=_structured(request))
+                         logprobs=request.logprobs, structured=_structured(request, settings))
 
 
 def chat_input(request: ChatCompletionRequest, tokenizer: Tokenizer, max_model_len: int,
-               tool_parser: ToolParser | None = None) -> EngineInput:
-    """``tool_parser``: the served model's tool-call format (None: it has none)."""
-    choice_parser, structured = _tool_choice(request, tool_parser)
+               settings: OutputSettings = OutputSettings()) -> EngineInput:
+    choice_parser, structured = _tool_choice(request, settings)
     try:
         prompt = tokenizer.segment_chat(template_messages(request.messages), template_tools(request.tools))
     except PICSyntaxError as exc:
@@ -62,44 +71,46 @@ def chat_input(request: ChatCompletionRequest, tokenizer: Tokenizer, max_model_l
         raise APIError(f"the chat template refused the messages: {exc}", param="messages") from exc
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     return _engine_input(request, [prompt], "messages", request.max_output_tokens, max_model_len, tokenizer,
-                         logprobs=logprobs, structured=structured or _structured(request),
+                         logprobs=logprobs, structured=structured or _structured(request, settings),
                          tool_parser=choice_parser)
 
 
-def _tool_choice(request: ChatCompletionRequest, tool_parser: ToolParser | None
+def _tool_choice(request: ChatCompletionRequest, settings: OutputSettings
                  ) -> tuple[ToolParser | None, dict[str, Any] | None]:
     """(how the output is read, the constraint it is held to) for the request's ``tool_choice``."""
     choice = request.effective_tool_choice
     if choice == "none":
         return None, None
     if choice == "auto":
-        if tool_parser is None:
+        if settings.tool_parser is None:
             raise APIError('tool_choice "auto" needs a tool call parser, and this model\'s chat template renders no '
                            'tool calls of a known format; start the server with --tool-call-parser, or use '
                            'tool_choice "required" or a named function', param="tool_choice")
-        return tool_parser, None
+        return settings.tool_parser, None
+    compact = {"disable_any_whitespace": True} if settings.disable_any_whitespace else {}
     tools = {tool.function.name: tool.function.parameters or {"type": "object"} for tool in request.tools}
     if isinstance(choice, NamedToolChoice):
-        return NamedToolOutput(choice.function.name), {"json": tools[choice.function.name]}
+        return NamedToolOutput(choice.function.name), {"json": tools[choice.function.name], **compact}
     call = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, "parameters": schema},
              "required": ["name", "parameters"]} for name, schema in tools.items()]
     schema = {"type": "array", "minItems": 1, "items": {"anyOf": call}}
     if not request.parallel_tool_calls:
         schema["maxItems"] = 1
-    return RequiredToolsOutput(), {"json": schema}
+    return RequiredToolsOutput(), {"json": schema, **compact}
 
 
-def _structured(request: SamplingFields) -> dict[str, Any] | None:
+def _structured(request: SamplingFields, settings: OutputSettings) -> dict[str, Any] | None:
     """The request's own constraint (``StructuredOutputsParams`` keywords): vLLM's ``structured_outputs``, or
     OpenAI's ``response_format``; None for free text."""
+    compact = {"disable_any_whitespace": True} if settings.disable_any_whitespace else {}
     if request.structured_outputs is not None:
-        return request.structured_outputs.engine_kwargs()
+        return {**compact, **request.structured_outputs.engine_kwargs()}
     response_format = request.response_format
     if response_format is None or response_format.type == "text":
         return None
     if response_format.type == "json_object":
-        return {"json_object": True}
-    return {"json": response_format.json_schema.schema_ or {"type": "object"}}
+        return {"json_object": True, **compact}
+    return {"json": response_format.json_schema.schema_ or {"type": "object"}, **compact}
 
 
 def _completion_prompts(request: CompletionRequest, tokenizer: Tokenizer) -> list[EnginePrompt]:

@@ -98,6 +98,7 @@ class StructuredOutputs(_Strict):
     choice: Optional[list[Text]] = None
     grammar: Optional[Text] = None  # EBNF
     json_object: Optional[bool] = None
+    disable_any_whitespace: Optional[bool] = None  # JSON without free whitespace between tokens
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of the engine's ``StructuredOutputsParams``."""

@@ -38,7 +38,8 @@ def llm_engine(qwen3_tools_dir):
 @pytest.fixture(scope="module")
 def server(llm_engine):
     engine = AsyncLLMEngine(llm_engine)
-    served = ThreadedServer(build_app(engine, MODEL_NAME)).start()
+    # compact constrained JSON: random weights would otherwise spend max_tokens on the whitespace JSON allows
+    served = ThreadedServer(build_app(engine, MODEL_NAME, disable_any_whitespace=True)).start()
     yield served
     served.stop()
     engine.shutdown()
