@@ -57,8 +57,8 @@ def build_app(client: EngineClient, model_name: str, *, api_key: str | None = No
     recognised from the model's chat template. ``disable_any_whitespace``: constrained JSON outputs
     (``response_format``, forced tool calls) are compact (vLLM's structured-outputs option).
 
-    ``api_key``: when given, every ``/v1`` route needs ``Authorization: Bearer <api_key>`` (401 otherwise);
-    ``/health``, ``/metrics`` and routes added outside ``/v1`` stay open. ``max_request_bytes``: a larger request
+    ``api_key``: when given, every ``/v1`` route, ``/tokenize`` and ``/detokenize`` need ``Authorization: Bearer
+    <api_key>`` (401 otherwise); ``/health``, ``/metrics`` and other routes added outside ``/v1`` stay open. ``max_request_bytes``: a larger request
     body is a 413."""
     app = FastAPI(title="nebula-engine", docs_url=None, redoc_url=None)
     metrics = ServerMetrics(client.stats)

@@ -268,3 +268,14 @@ def test_a_refused_submission_goes_to_the_leader_again_and_errors_reach_the_clie
             await lost
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("settings", [dict(n=2), dict(logprobs=1), dict(prompt_logprobs=0)])
+def test_what_the_wire_cannot_carry_is_refused_before_it_is_submitted(engine, settings):
+    async def scenario():
+        harness = Harness(engine)
+        with pytest.raises(ValueError, match="not supported in cluster mode"):
+            await harness.start([5, 6, 7], SamplingParams(max_tokens=2, **settings))
+        assert harness.sent.empty()
+
+    asyncio.run(scenario())
