@@ -213,8 +213,8 @@ class LLMEngine:
                       params: SamplingParams, cached: tuple[int, int, int] = (0, 0, 0)) -> RequestOutput:
         """Continue a request prefilled elsewhere: its prompt K/V is in the reserved pages, its first token was
         sampled there. Returns the output after that first token (it may already be finished)."""
-        if params.n > 1:
-            raise ValueError("a request prefilled by another engine runs one completion (n=1)")
+        if params.n > 1 or params.prompt_logprobs is not None:
+            raise ValueError("a request prefilled by another engine runs one completion (n=1) without prompt_logprobs")
         seq = Sequence(request_id, prompt_token_ids, params)
         seq.num_prefix_cached_tokens, seq.num_pic_cached_tokens, seq.num_recomputed_tokens = cached
         seq.num_computed_tokens = len(prompt_token_ids)
@@ -256,6 +256,8 @@ class LLMEngine:
         result = self.model_runner.execute_model(output)
         self.scheduler.advance(output, failed=result.failed)
         outputs = [self._fail(seq_id, exc) for seq_id, exc in result.failed.items()]
+        for seq_id, (first, entries) in result.prompt_logprobs.items():
+            self.output_processor.add_prompt_logprobs(self._sequences[seq_id], first, entries)
         sampled = result.sampled
         tops = sampled.top_logprobs or [None] * len(result.seq_ids)
         for seq_id, token_id, logprob, top in zip(result.seq_ids, sampled.token_ids, sampled.logprobs, tops):

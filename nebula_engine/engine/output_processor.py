@@ -26,6 +26,13 @@ class OutputProcessor:
     def add(self, seq: Sequence) -> None:
         skip = seq.sampling_params.skip_special_tokens
         self._detokenizers[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, skip)
+        if seq.sampling_params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None] * seq.num_prompt_tokens  # the first stays None: nothing predicts it
+
+    def add_prompt_logprobs(self, seq: Sequence, first: int, entries: list[TopLogprobs]) -> None:
+        """Prompt tokens ``first``, ``first + 1``, ... (a recompute after preemption writes the same again)."""
+        for position, entry in enumerate(entries, start=first):
+            seq.prompt_logprobs[position] = self.logprob_dict(entry)
 
     def process_token(self, seq: Sequence, top_logprobs: TopLogprobs | None = None) -> StopDecision | None:
         """Detokenize ``seq``'s newest token (and its top logprobs, when asked) and decide whether ``seq`` stops
