@@ -38,8 +38,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         dtype = getattr(torch, config.dtype)
-        model, self.model_config, checkpoint_dir = load_model(config.model, dtype, config.device)
-        self.tokenizer = Tokenizer(checkpoint_dir)
+        model, self.model_config, checkpoint_dir = load_model(config.model, dtype, config.device, config.revision)
+        # None with skip_tokenizer_init: prompts are token ids and outputs carry token ids only
+        self.tokenizer = None if config.skip_tokenizer_init else Tokenizer(config.tokenizer or checkpoint_dir)
         groups = model.kv_cache_groups(dtype)
         page_size = config.cache.page_size
         # linear-attention layers: one state slot per sequence that can run at once
@@ -49,7 +50,8 @@ class LLMEngine:
         self.max_model_len = self._max_model_len(self.model_config, num_pages * page_size)
         self.pic_backend = resolve_pic_backend(config.pic_backend, model)
         eos_token_ids = self._eos_token_ids()
-        self.grammar_compiler = GrammarCompiler(self.tokenizer.hf, self.model_config.vocab_size, eos_token_ids)
+        self.grammar_compiler = (GrammarCompiler(self.tokenizer.hf, self.model_config.vocab_size, eos_token_ids)
+                                 if self.tokenizer is not None else None)
         self.scheduler = Scheduler(config.scheduler, self._kv_cache_manager(num_pages, num_state_slots))
         self.model_runner = ModelRunner(model, KVCacheStorage(groups, num_pages, page_size, config.device,
                                                               num_state_slots),
@@ -61,7 +63,7 @@ class LLMEngine:
         self.cache_store = kv_cache.cache if isinstance(kv_cache, PrefixCachingKVCacheManager) else None
         if self.cache_store is not None:
             self.cache_store.page_io = StoragePageIO(self.model_runner.kv_storage)
-            prefix = self.tokenizer.prompt_prefix_ids
+            prefix = self.tokenizer.prompt_prefix_ids if self.tokenizer is not None else []
             self.model_runner.pic_executor = PICExecutor(
                 model, self.model_runner.kv_storage, self.cache_store, self.model_runner.attention_backend,
                 self.model_runner.mla_backend, self._model_id(), prefix[0] if len(prefix) == 1 else None)
@@ -99,7 +101,7 @@ class LLMEngine:
 
     def _eos_token_ids(self) -> set[int]:
         eos = set(self.model_config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         return eos
 
@@ -124,6 +126,9 @@ class LLMEngine:
         bad = [t for t in (params.logit_bias or {}) if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"logit_bias token id(s) {bad[:5]} outside the vocabulary [0, {vocab})")
+        if self.tokenizer is None and (params.stop or params.structured_outputs is not None):
+            raise ValueError("stop strings and structured outputs need a tokenizer; this engine was started with "
+                             "skip_tokenizer_init")
         if params.structured_outputs is not None:
             self.grammar_compiler.compile(params.structured_outputs)  # ValueError for an invalid schema / grammar
 
@@ -167,6 +172,16 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the device's prefix cache and PIC store (vLLM's ``reset_prefix_cache``): every entry leaves the
+        device, moved to a host or disk tier when the engine has one (as under pool pressure), else dropped.
+        False, changing nothing, while requests are in flight (their pages pin entries)."""
+        if self.scheduler.has_unfinished() or self.scheduler.held:
+            return False
+        if self.cache_store is not None:
+            self.cache_store.evict_all()
+        return True
 
     def resolve_request_backend(self, spec) -> PICBackend | None:
         """The backend a request asked for (``DEFAULT_BACKEND``: the engine's); ValueError if unusable."""
@@ -213,8 +228,8 @@ class LLMEngine:
                       params: SamplingParams, cached: tuple[int, int, int] = (0, 0, 0)) -> RequestOutput:
         """Continue a request prefilled elsewhere: its prompt K/V is in the reserved pages, its first token was
         sampled there. Returns the output after that first token (it may already be finished)."""
-        if params.n > 1:
-            raise ValueError("a request prefilled by another engine runs one completion (n=1)")
+        if params.n > 1 or params.prompt_logprobs is not None:
+            raise ValueError("a request prefilled by another engine runs one completion (n=1) without prompt_logprobs")
         seq = Sequence(request_id, prompt_token_ids, params)
         seq.num_prefix_cached_tokens, seq.num_pic_cached_tokens, seq.num_recomputed_tokens = cached
         seq.num_computed_tokens = len(prompt_token_ids)
@@ -256,6 +271,8 @@ class LLMEngine:
         result = self.model_runner.execute_model(output)
         self.scheduler.advance(output, failed=result.failed)
         outputs = [self._fail(seq_id, exc) for seq_id, exc in result.failed.items()]
+        for seq_id, (first, entries) in result.prompt_logprobs.items():
+            self.output_processor.add_prompt_logprobs(self._sequences[seq_id], first, entries)
         sampled = result.sampled
         tops = sampled.top_logprobs or [None] * len(result.seq_ids)
         for seq_id, token_id, logprob, top in zip(result.seq_ids, sampled.token_ids, sampled.logprobs, tops):

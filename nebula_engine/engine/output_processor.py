@@ -17,7 +17,7 @@ class StopDecision:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer, eos_token_ids: set[int], max_model_len: int):
+    def __init__(self, tokenizer: Tokenizer | None, eos_token_ids: set[int], max_model_len: int):
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
@@ -25,7 +25,15 @@ class OutputProcessor:
 
     def add(self, seq: Sequence) -> None:
         skip = seq.sampling_params.skip_special_tokens
-        self._detokenizers[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, skip)
+        self._detokenizers[seq.seq_id] = (IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, skip)
+                                          if self.tokenizer is not None else NoText())
+        if seq.sampling_params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None] * seq.num_prompt_tokens  # the first stays None: nothing predicts it
+
+    def add_prompt_logprobs(self, seq: Sequence, first: int, entries: list[TopLogprobs]) -> None:
+        """Prompt tokens ``first``, ``first + 1``, ... (a recompute after preemption writes the same again)."""
+        for position, entry in enumerate(entries, start=first):
+            seq.prompt_logprobs[position] = self.logprob_dict(entry)
 
     def process_token(self, seq: Sequence, top_logprobs: TopLogprobs | None = None) -> StopDecision | None:
         """Detokenize ``seq``'s newest token (and its top logprobs, when asked) and decide whether ``seq`` stops
@@ -62,7 +70,8 @@ class OutputProcessor:
 
     def logprob_dict(self, top: TopLogprobs) -> dict[int, Logprob]:
         """vLLM's ``{token_id: Logprob}`` of one position; each token's text decoded alone, special tokens kept."""
-        texts = self.tokenizer.hf.batch_decode([[t] for t in top.token_ids], skip_special_tokens=False)
+        texts = (self.tokenizer.hf.batch_decode([[t] for t in top.token_ids], skip_special_tokens=False)
+                 if self.tokenizer is not None else [None] * len(top.token_ids))
         return {t: Logprob(lp, rank, text) for t, lp, rank, text in zip(top.token_ids, top.logprobs, top.ranks, texts)}
 
     @staticmethod
@@ -79,6 +88,18 @@ class OutputProcessor:
                              num_prefix_cached_tokens=seq.num_prefix_cached_tokens,
                              num_pic_cached_tokens=seq.num_pic_cached_tokens,
                              num_recomputed_tokens=seq.num_recomputed_tokens)
+
+
+class NoText:
+    """The detokenizer of an engine without a tokenizer (``skip_tokenizer_init``): outputs are token ids only."""
+
+    text = ""
+
+    def add_token(self, token_id: int) -> str:
+        return ""
+
+    def truncate(self, length: int) -> None:
+        pass
 
 
 def find_stop_string(text: str, num_new_chars: int, stops: tuple[str, ...]) -> tuple[str, int] | None:

@@ -238,17 +238,23 @@ class Sampler:
                       rows: list[_Row]) -> list[TopLogprobs | None]:
         asking = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         result: list[TopLogprobs | None] = [None] * len(rows)
-        if not asking:
-            return result
-        index = torch.tensor(asking, device=logprobs.device)
-        selected = logprobs[index]
-        ranks = (selected >= chosen[index, None]).sum(dim=-1).tolist()  # vLLM's rank: tokens at least as likely
-        k_max = max(rows[i].params.logprobs for i in asking)
-        top_values, top_ids = selected.topk(k_max, dim=-1) if k_max else (selected[:, :0], selected[:, :0].long())
-        top_values, top_ids = top_values.tolist(), top_ids.tolist()
-        sampled, sampled_logprobs = tokens[index].tolist(), chosen[index].tolist()
-        for j, i in enumerate(asking):
-            k = rows[i].params.logprobs
-            result[i] = TopLogprobs((sampled[j], *top_ids[j][:k]), (sampled_logprobs[j], *top_values[j][:k]),
-                                    (ranks[j], *range(1, k + 1)))
+        if asking:
+            index = torch.tensor(asking, device=logprobs.device)
+            found = top_logprobs(logprobs[index], tokens[index], [rows[i].params.logprobs for i in asking])
+            for i, entry in zip(asking, found):
+                result[i] = entry
         return result
+
+
+def top_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, ks: list[int]) -> list[TopLogprobs]:
+    """For each row of ``logprobs`` [m, V]: its token ``tokens`` [m] then its top ``ks[row]``, with their logprobs
+    and ranks (vLLM's rank: the number of tokens at least as likely)."""
+    chosen = logprobs.gather(1, tokens[:, None])
+    ranks = (logprobs >= chosen).sum(dim=-1).tolist()
+    k_max = max(ks)
+    top_values, top_ids = logprobs.topk(k_max, dim=-1) if k_max else (logprobs[:, :0], logprobs[:, :0].long())
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    token_list, chosen_list = tokens.tolist(), chosen.squeeze(1).tolist()
+    return [TopLogprobs((token_list[j], *top_ids[j][:k]), (chosen_list[j], *top_values[j][:k]),
+                        (ranks[j], *range(1, k + 1)))
+            for j, k in enumerate(ks)]

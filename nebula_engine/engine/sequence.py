@@ -44,9 +44,10 @@ class Sequence:
 
     @property
     def needs_combine(self) -> bool:
-        """Its prompt is prefilled by a PIC combine (not after a preemption: then everything is recomputed)."""
+        """Its prompt is prefilled by a PIC combine (not after a preemption: then everything is recomputed; nor
+        when it asks for prompt logprobs, which are those of the exact full prefill)."""
         return (self.pic_backend is not None and self.segmented is not None and self.num_preemptions == 0
-                and bool(self.segmented.pic_segments))
+                and bool(self.segmented.pic_segments) and self.sampling_params.prompt_logprobs is None)
 
     @property
     def num_cached_tokens(self) -> int:

@@ -160,3 +160,21 @@ def test_out_of_range_options_are_value_errors_naming_the_field(fields):
     name = next(iter(fields))
     with pytest.raises(ValueError, match=name):
         SamplingParams(**fields)
+
+
+@pytest.mark.parametrize("prompt", [PROMPT, PIC_PROMPT, "one two three four five six seven eight nine ten " * 12],
+                         ids=["short", "pic", "chunked"])
+def test_prompt_logprobs_are_those_of_the_exact_full_prefill(llm, qwen3_dir, prompt):
+    """The shared engine prefills in 64-token chunks; a prompt run before is in the prefix cache and a PIC prompt
+    would be combined: prompt logprobs still come from every prompt token's own full-prefill hidden state."""
+    llm.generate(prompt, greedy(1))  # now cached (prefix cache, PIC store)
+    [out] = llm.generate(prompt, greedy(2, prompt_logprobs=2))
+    ids = out.prompt_token_ids
+    assert len(out.prompt_logprobs) == len(ids) and out.prompt_logprobs[0] is None
+    reference = transformers_logprobs(qwen3_dir, ids)[:-1]
+    assert_logprob_dicts_match(out.prompt_logprobs[1:], reference, ids[1:], 2, llm.get_tokenizer())
+    assert out.num_cached_tokens == 0
+    plain = llm.generate(prompt, greedy(2))[0]
+    assert plain.prompt_logprobs is None
+    exact = llm.generate(prompt, greedy(2), pic_backend=None)[0]  # no PIC combine: the tokens of the full prefill
+    assert out.outputs[0].token_ids == exact.outputs[0].token_ids
