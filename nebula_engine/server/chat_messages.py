@@ -1,7 +1,8 @@
 """Validated chat messages and tools -> the dicts a Hugging Face chat template reads.
 
-Content parts become one string (text parts joined by newlines, as vLLM does for string-content templates), so
-``<pic>`` tags in any message kind (system, user, assistant, tool results) are segmented the same way. An
+Content parts become one string (``engine.chat_messages.flatten_content_parts``, shared with ``LLM.chat``: text
+parts joined by newlines, as vLLM does for string-content templates; media parts refused by name), so ``<pic>``
+tags in any message kind (system, user, assistant, tool results) are segmented the same way. An
 assistant's ``tool_calls`` keep OpenAI's shape but with ``arguments`` parsed into an object, as templates render
 them with ``| tojson`` (vLLM does the same); a ``tool`` message keeps its ``tool_call_id``.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from nebula_engine.engine.chat_messages import flatten_content_parts
 from nebula_engine.server.errors import APIError
 from nebula_engine.server.protocol import ChatMessage, Tool
 
@@ -18,7 +20,10 @@ TemplateMessage = dict[str, Any]
 
 
 def template_messages(messages: list[ChatMessage]) -> list[TemplateMessage]:
-    return [_template_message(index, message) for index, message in enumerate(messages)]
+    try:
+        return flatten_content_parts([_template_message(index, m) for index, m in enumerate(messages)])
+    except ValueError as exc:
+        raise APIError(str(exc), param="messages") from exc
 
 
 def template_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
@@ -29,7 +34,7 @@ def template_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
 
 
 def _template_message(index: int, message: ChatMessage) -> TemplateMessage:
-    out: TemplateMessage = {"role": message.role, "content": message.text if message.text is not None else ""}
+    out: TemplateMessage = {"role": message.role, "content": message.content if message.content is not None else ""}
     if message.name is not None:
         out["name"] = message.name
     if message.tool_call_id is not None:

@@ -183,20 +183,11 @@ class CompletionRequest(SamplingFields):
 
 
 def _message_content(content: Any) -> str | list[JSONObject]:
-    """A string, or content parts of which only text parts are accepted (each a 400 naming its type)."""
+    """A string, or a list of content-part objects (``chat_messages`` accepts text parts and names any other)."""
     if isinstance(content, str):
         return _valid_unicode(content)
-    if not isinstance(content, list):
-        raise unsupported("messages", "content must be a string or a list of content parts")
-    for index, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text":
-            raise unsupported("messages", f"content part {index} has type {kind!r}: this model takes text only "
-                                          f"(parts of type 'text')")
-        if not isinstance(part.get("text"), str) or set(part) != {"type", "text"}:
-            raise unsupported("messages", f"content part {index}: a text part is {{\"type\": \"text\", \"text\": "
-                                          f"a string}}")
-        _valid_unicode(part["text"])
+    if not isinstance(content, list) or not all(isinstance(part, dict) for part in content):
+        raise unsupported("messages", "content must be a string or a list of content-part objects")
     return content
 
 
@@ -231,13 +222,6 @@ class ChatMessage(_Strict):
         if self.role == "tool" and self.tool_call_id is None:
             raise unsupported("messages", "a tool message needs the tool_call_id it answers")
         return self
-
-    @property
-    def text(self) -> str | None:
-        """The content as one string: text parts joined by newlines (as vLLM joins them for string templates)."""
-        if self.content is None or isinstance(self.content, str):
-            return self.content
-        return "\n".join(part["text"] for part in self.content)
 
 
 class FunctionDefinition(_Strict):

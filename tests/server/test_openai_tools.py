@@ -73,7 +73,7 @@ def test_content_parts_are_the_same_prompt_as_their_text(client):
 
 
 def test_image_parts_are_a_bad_request_naming_the_type(client):
-    with pytest.raises(openai.BadRequestError, match="'image_url': this model takes text only"):
+    with pytest.raises(openai.BadRequestError, match="'image_url' parts need a multimodal model"):
         chat(client, [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}])
 
 
