@@ -138,7 +138,7 @@ class _Server:
         firsts = await self._first_outputs(streams, request_ids)
         for first in firsts:
             self.metrics.on_first_output(first, time.perf_counter() - arrival)
-        n, form = engine_input.n, engine_input.form
+        n, form = engine_input.params.n, engine_input.form
         if body.stream:
             stream_format = (CompletionStream if endpoint == "completions" else ChatCompletionStream)(
                 request_id, self.model_name, form, body.include_usage_in_stream, n, len(streams))

@@ -27,10 +27,6 @@ from nebula_engine.server.responses import ChoiceFormat
 from nebula_engine.server.tool_parsers import NamedToolOutput, RequiredToolsOutput, ToolParser
 
 
-_VLLM_DEFAULTS = dict(n=1, min_p=0.0, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
-                     min_tokens=0, logit_bias=None, logprobs=None)
-
-
 @dataclass(frozen=True)
 class OutputSettings:
     """Server-wide choices about outputs."""
@@ -48,7 +44,6 @@ class EngineInput:
     pic_backend: object  # a backend spec, None (PIC off), or DEFAULT_BACKEND (the engine's)
     route: str | None = None  # cluster: the prefill peer that must run the combine
     form: ChoiceFormat = field(default_factory=ChoiceFormat)
-    n: int = 1  # completions per prompt
 
 
 def completion_input(request: CompletionRequest, tokenizer: Tokenizer, max_model_len: int,
@@ -148,17 +143,17 @@ def _engine_input(request: SamplingFields, prompts: list[EnginePrompt], prompt_p
         raise APIError(str(exc)) from exc
     backend = request.pic_backend if "pic_backend" in request.model_fields_set else DEFAULT_BACKEND
     form = ChoiceFormat(params.stop, logprobs, tool_parser, lambda token_id: tokenizer.decode([token_id], False))
-    return EngineInput(tuple(prompts), params, backend, request.prefill_peer, form, request.n)
+    return EngineInput(tuple(prompts), params, backend, request.prefill_peer, form)
 
 
 def _sampling_options(request: SamplingFields, logprobs: int | None, structured: dict[str, Any] | None,
                       tool_parser: ToolParser | None) -> dict[str, Any]:
-    options = dict(temperature=request.temperature, top_p=request.top_p, top_k=request.top_k, seed=request.seed,
-                   stop=request.stop, stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos)
-    asked = dict(n=request.n, min_p=request.min_p, presence_penalty=request.presence_penalty,
-                 frequency_penalty=request.frequency_penalty, repetition_penalty=request.repetition_penalty,
-                 min_tokens=request.min_tokens, logit_bias=request.token_logit_bias, logprobs=logprobs)
-    options.update((k, v) for k, v in asked.items() if v != _VLLM_DEFAULTS[k])  # SamplingParams' defaults
+    options = dict(n=request.n, temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
+                   min_p=request.min_p, seed=request.seed, stop=request.stop, stop_token_ids=request.stop_token_ids,
+                   ignore_eos=request.ignore_eos, presence_penalty=request.presence_penalty,
+                   frequency_penalty=request.frequency_penalty, repetition_penalty=request.repetition_penalty,
+                   min_tokens=request.min_tokens, logit_bias=request.token_logit_bias, logprobs=logprobs,
+                   prompt_logprobs=request.prompt_logprobs)
     if tool_parser is not None and tool_parser.keeps_special_tokens:
         options["skip_special_tokens"] = False  # its markers are special tokens
     if structured is not None:

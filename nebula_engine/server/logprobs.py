@@ -1,6 +1,6 @@
 """vLLM-shaped per-token logprobs (``{token_id: Logprob(logprob, rank, decoded_token)}`` per generated token) ->
 OpenAI's two shapes: chat's ``{"content": [{token, logprob, bytes, top_logprobs}]}`` and completions' parallel
-lists (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``).
+lists (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``); prompt logprobs keep vLLM's shape.
 
 ``-inf`` becomes -9999.0, as vLLM sends it (JSON has no infinity). The ``top_logprobs`` of a token are the
 ``top`` most likely entries, which may or may not include the sampled token.
@@ -40,6 +40,16 @@ def completion_logprobs(token_ids: Sequence[int], logprobs: Sequence[PositionLog
         out.text_offset.append(text_offset)
         text_offset += len(text)
     return out
+
+
+def prompt_logprobs(positions: Sequence[PositionLogprobs | None] | None) -> list[dict[int, Any] | None] | None:
+    """vLLM's own shape for prompt logprobs (one dict per prompt token, the first None), ``-inf`` floored."""
+    if positions is None:
+        return None
+    return [None if position is None else
+            {token_id: {"logprob": _value(p), "rank": p.rank, "decoded_token": p.decoded_token}
+             for token_id, p in position.items()}
+            for position in positions]
 
 
 def _top(position: PositionLogprobs, top: int, token_text: TokenText) -> list[tuple[str, float]]:

@@ -125,6 +125,7 @@ class SamplingFields(_Strict):
     logit_bias: Optional[dict[StrictStr, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]]] = None
     response_format: Optional[ResponseFormat] = None
     structured_outputs: Optional[StructuredOutputs] = None
+    prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's: each prompt token's and top k
     user: Optional[Text] = None  # accepted and ignored, as OpenAI documents it (end-user id for abuse tracking)
     pic_backend: Optional[Text] = None  # absent: the engine's default; null: PIC off for this request
     prefill_peer: Optional[Text] = None  # cluster only: run the combine prefill on this peer (debugging, tests)
@@ -133,6 +134,8 @@ class SamplingFields(_Strict):
     def _consistent(self):
         if self.stream_options is not None and not self.stream:
             raise unsupported("stream_options", "stream_options is only allowed when stream is true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise unsupported("prompt_logprobs", "prompt_logprobs are not available when streaming (as in vLLM)")
         if self.structured_outputs is not None and self.response_format is not None \
                 and self.response_format.type != "text":
             raise unsupported("structured_outputs", "give structured_outputs or response_format, not both")
@@ -346,12 +349,22 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+PromptLogprobs = list[Optional[dict[int, PromptLogprob]]]  # vLLM's shape: one entry per prompt token, first None
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
     stop_reason: Union[int, str, None] = None  # vLLM's: the stop string or token id that ended it
+    prompt_logprobs: Optional[PromptLogprobs] = None  # vLLM's, when asked
 
 
 class CompletionResponse(BaseModel):
@@ -404,6 +417,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Optional[Usage] = None
+    prompt_logprobs: Optional[PromptLogprobs] = None  # vLLM's, when asked
 
 
 class ModelCard(BaseModel):

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from nebula_engine.engine.outputs import CompletionOutput, RequestOutput
-from nebula_engine.server.logprobs import TokenText, chat_logprobs, completion_logprobs
+from nebula_engine.server.logprobs import TokenText, chat_logprobs, completion_logprobs, prompt_logprobs
 from nebula_engine.server.protocol import (ChatChoice, ChatCompletionResponse, ChatLogprobs, ChatMessageOut,
                                            CompletionChoice, CompletionResponse, NebulaUsage, PromptTokensDetails,
                                            ToolCallOut, Usage)
@@ -66,7 +66,8 @@ def completion_response(response_id: str, model: str, finals: Sequence[RequestOu
             choices.append(CompletionChoice(index=choice_index(prompt_index, len(final.outputs), completion),
                                             text=completion.text, logprobs=logprobs,
                                             finish_reason=completion.finish_reason,
-                                            stop_reason=completion.stop_reason))
+                                            stop_reason=completion.stop_reason,
+                                            prompt_logprobs=prompt_logprobs(final.prompt_logprobs)))
     return CompletionResponse(id=response_id, model=model, usage=usage(finals), choices=choices)
 
 
@@ -85,7 +86,9 @@ def chat_response(response_id: str, model: str, final: RequestOutput, form: Choi
         choices.append(ChatChoice(index=completion.index, message=message, logprobs=logprobs,
                                   finish_reason=_finish_reason(completion.finish_reason, form, bool(calls)),
                                   stop_reason=completion.stop_reason))
-    return ChatCompletionResponse(id=response_id, model=model, usage=usage(final), choices=choices)
+    return ChatCompletionResponse(id=response_id, model=model, usage=usage(final), choices=choices,
+                                  prompt_logprobs=prompt_logprobs(final.prompt_logprobs))
+
 
 
 def _finish_reason(finish_reason: str | None, form: ChoiceFormat, called: bool) -> str | None:

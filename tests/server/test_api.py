@@ -159,7 +159,7 @@ def test_stop_string_never_streams_past_the_stop(http, reference_llm):
     expected = full[:full.index(stop)]
     result = http.post("/v1/completions", json=body(prompt=PROMPT, max_tokens=16, stop=stop)).json()
     assert result["choices"][0] == {"index": 0, "text": expected, "logprobs": None, "finish_reason": "stop",
-                                    "stop_reason": stop}  # vLLM's extra field: what stopped it
+                                    "stop_reason": stop, "prompt_logprobs": None}  # vLLM's extra fields
     chunks = stream(http, "/v1/completions", prompt=PROMPT, max_tokens=16, stop=[stop])[:-1]
     assert "".join(c["choices"][0]["text"] for c in chunks) == expected
 

@@ -190,3 +190,20 @@ def test_the_openai_client_sees_bad_values_as_bad_requests_naming_the_field(clie
         client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=2, **fields)
     assert raised.value.body["param"] == param and raised.value.body["message"]
     assert client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=2).choices[0].message
+
+
+def test_prompt_logprobs_in_vllms_shape(client, reference_llm):
+    reply = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=1,
+                                      extra_body={"prompt_logprobs": 1})
+    expected = offline(reference_llm, PROMPTS[0], max_tokens=1, prompt_logprobs=1).prompt_logprobs
+    got = reply.choices[0].model_extra["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(expected)
+    for position, wanted in zip(got[1:], expected[1:]):
+        assert {int(k) for k in position} == set(wanted)
+        assert all(math.isclose(position[str(k)]["logprob"], v.logprob, abs_tol=1e-4) for k, v in wanted.items())
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=1,
+                                          extra_body={"prompt_logprobs": 0})
+    assert chat.model_extra["prompt_logprobs"][0] is None and len(chat.model_extra["prompt_logprobs"]) == \
+        chat.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError, match="not available when streaming"):
+        client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], stream=True, extra_body={"prompt_logprobs": 1})
