@@ -135,6 +135,10 @@ class ClusterFrontend:
         segmented = prompt if isinstance(prompt, SegmentedPrompt) else None
         token_ids = list(segmented.token_ids) if segmented is not None else list(prompt)
         engine.validate_request(token_ids, params)
+        unsupported = [name for name, asked in (("n > 1", params.n > 1), ("logprobs", params.logprobs is not None),
+                                                ("prompt_logprobs", params.prompt_logprobs is not None)) if asked]
+        if unsupported:  # the cluster's outputs carry one completion and each sampled token's logprob only
+            raise ValueError(f"{', '.join(unsupported)}: not supported by a cluster yet; a single engine serves them")
         if pic_backend is not DEFAULT_BACKEND and pic_backend is not None:
             engine.resolve_request_backend(pic_backend)  # a bad spec is the client's error, raised here
         if request_id in self._pending:
