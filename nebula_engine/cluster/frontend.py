@@ -132,10 +132,13 @@ class ClusterFrontend:
         engine = self.engine.engine
         if route is not None and route not in self.prefill_peers:
             raise ValueError(f"prefill_peer {route!r} is not a prefill peer of this cluster: {self.prefill_peers}")
-        _check_relayable(params)
         segmented = prompt if isinstance(prompt, SegmentedPrompt) else None
         token_ids = list(segmented.token_ids) if segmented is not None else list(prompt)
         engine.validate_request(token_ids, params)
+        unsupported = [name for name, asked in (("n > 1", params.n > 1), ("logprobs", params.logprobs is not None),
+                                                ("prompt_logprobs", params.prompt_logprobs is not None)) if asked]
+        if unsupported:  # the cluster's outputs carry one completion and each sampled token's logprob only
+            raise ValueError(f"{', '.join(unsupported)}: not supported by a cluster yet; a single engine serves them")
         if pic_backend is not DEFAULT_BACKEND and pic_backend is not None:
             engine.resolve_request_backend(pic_backend)  # a bad spec is the client's error, raised here
         if request_id in self._pending:
@@ -290,12 +293,3 @@ class ClusterFrontend:
             self.deliver_local(message)
         else:
             self.send(peer, message)
-
-
-def _check_relayable(params: SamplingParams) -> None:
-    """ValueError for what a cluster cannot carry yet: its wire holds one completion and each sampled token's
-    logprob, not ``n`` completions nor top-k logprob dicts."""
-    asked = [name for name, on in (("n > 1", params.n > 1), ("logprobs", params.logprobs is not None),
-                                   ("prompt_logprobs", params.prompt_logprobs is not None)) if on]
-    if asked:
-        raise ValueError(f"{', '.join(asked)}: not supported in cluster mode yet (one engine serves them)")

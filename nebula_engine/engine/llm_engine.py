@@ -272,7 +272,8 @@ class LLMEngine:
         self.scheduler.advance(output, failed=result.failed)
         outputs = [self._fail(seq_id, exc) for seq_id, exc in result.failed.items()]
         for seq_id, (first, entries) in result.prompt_logprobs.items():
-            self.output_processor.add_prompt_logprobs(self._sequences[seq_id], first, entries)
+            if seq_id in self._sequences:  # not failed in this step's sampling
+                self.output_processor.add_prompt_logprobs(self._sequences[seq_id], first, entries)
         sampled = result.sampled
         tops = sampled.top_logprobs or [None] * len(result.seq_ids)
         for seq_id, token_id, logprob, top in zip(result.seq_ids, sampled.token_ids, sampled.logprobs, tops):
