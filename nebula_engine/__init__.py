@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import importlib
 
-from nebula_engine.engine.outputs import CompletionOutput, RequestOutput
+from nebula_engine.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from nebula_engine.engine.sampling_params import SamplingParams
+from nebula_engine.engine.structured_outputs import StructuredOutputsParams
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
 
 _LAZY = {"LLM": "nebula_engine.engine.llm"}
 

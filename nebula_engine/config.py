@@ -100,6 +100,9 @@ class EngineConfig:
     # PIC backend spec for prompts with <pic> segments: "auto" (hypic for hybrid models, else epic), a name
     # ("full", "naive", "epic", "cacheblend", "a3", "hypic"), "name:option=value,...", or None (PIC off)
     pic_backend: str | None = "auto"
+    revision: str | None = None  # hub id's branch, tag or commit; an error for a local path (it has no revisions)
+    tokenizer: str | None = None  # tokenizer directory or hub id; None => the model's own
+    skip_tokenizer_init: bool = False  # no tokenizer: prompts are token ids, outputs carry no text (vLLM's option)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -21,6 +21,7 @@ EXTRA_OF_MODULE = {
     "numba": "cluster",
     "flashinfer": "gpu",
     "triton": "gpu",
+    "xgrammar": "structured",
     "aiohttp": "bench",
     "matplotlib": "bench",
     "mistral_common": "demo",

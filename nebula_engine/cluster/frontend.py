@@ -135,6 +135,10 @@ class ClusterFrontend:
         segmented = prompt if isinstance(prompt, SegmentedPrompt) else None
         token_ids = list(segmented.token_ids) if segmented is not None else list(prompt)
         engine.validate_request(token_ids, params)
+        unsupported = [name for name, asked in (("n > 1", params.n > 1), ("logprobs", params.logprobs is not None),
+                                                ("prompt_logprobs", params.prompt_logprobs is not None)) if asked]
+        if unsupported:  # the cluster's outputs carry one completion and each sampled token's logprob only
+            raise ValueError(f"{', '.join(unsupported)}: not supported by a cluster yet; a single engine serves them")
         if pic_backend is not DEFAULT_BACKEND and pic_backend is not None:
             engine.resolve_request_backend(pic_backend)  # a bad spec is the client's error, raised here
         if request_id in self._pending:
@@ -240,8 +244,8 @@ class ClusterFrontend:
             stop = find_stop_string(text, len(pending.current.text), pending.params.stop)
             if stop is not None and stop[1] < len(pending.earlier.text):
                 text, finished, finish_reason, stop_reason = text[:stop[1]], True, "stop", stop[0]
-        completion = CompletionOutput(0, text, list(streamed.token_ids), list(streamed.logprobs), finish_reason,
-                                      stop_reason)
+        completion = CompletionOutput(0, text, list(streamed.token_ids), finish_reason=finish_reason,
+                                      stop_reason=stop_reason, token_logprobs=list(streamed.logprobs))
         prefix, pic, recomputed = pending.cached or (0, 0, 0)
         return RequestOutput(pending.submit.request_id, None, list(pending.submit.token_ids), [completion],
                              finished=finished, num_cached_tokens=prefix + pic, num_prefix_cached_tokens=prefix,

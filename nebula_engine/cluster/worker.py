@@ -34,6 +34,7 @@ from nebula_engine.engine.async_engine import AsyncLLMEngine
 from nebula_engine.engine.llm_engine import DEFAULT_BACKEND, LLMEngine
 from nebula_engine.engine.outputs import RequestOutput
 from nebula_engine.engine.sampling_params import SamplingParams
+from nebula_engine.engine.structured_outputs import StructuredOutputsParams
 from nebula_engine.kvcache.events import CacheKind, EvictEvent, MoveEvent, StoreEvent
 from nebula_engine.kvcache.pool import OutOfPagesError
 from nebula_engine.pic.segments import PromptSegment, SegmentedPrompt, SegmentKind
@@ -52,6 +53,8 @@ def params_to_wire(params: SamplingParams) -> wire.Params:
 
 def params_from_wire(params: wire.Params) -> SamplingParams:
     fields = {k: (tuple(v) if isinstance(v, list) else v) for k, v in params.fields.items()}
+    if isinstance(fields.get("structured_outputs"), dict):
+        fields["structured_outputs"] = StructuredOutputsParams(**fields["structured_outputs"])
     return SamplingParams(**fields)
 
 
@@ -73,7 +76,7 @@ def output_to_wire(sender: str, request_id: str, output: RequestOutput, attempt:
                    handoff_to: str = "") -> wire.Output:
     completion = output.outputs[0]
     return wire.Output(sender=sender, request_id=request_id, attempt=attempt, text=completion.text,
-                       token_ids=list(completion.token_ids), logprobs=list(completion.logprobs),
+                       token_ids=list(completion.token_ids), logprobs=list(completion.token_logprobs),
                        finished=output.finished, finish_reason=completion.finish_reason,
                        stop_reason=completion.stop_reason,
                        cached=[output.num_prefix_cached_tokens, output.num_pic_cached_tokens,
@@ -218,7 +221,7 @@ class WorkerService:
         self.send(msg.decode_peer, wire.Handoff(
             sender=self.name, request_id=msg.request_id, attempt=msg.attempt, frontend=msg.frontend,
             prompt_token_ids=list(first.prompt_token_ids), first_token=completion.token_ids[0],
-            first_logprob=completion.logprobs[0], params=msg.params, pages=pages,
+            first_logprob=completion.token_logprobs[0], params=msg.params, pages=pages,
             cached=[first.num_prefix_cached_tokens, first.num_pic_cached_tokens, first.num_recomputed_tokens]))
         try:
             outcome = await self._unless_dead(handoff_done, msg.decode_peer, HANDOFF_TIMEOUT_S)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Sequence, Union
+from typing import Any, Callable, Sequence, Union
 
 from nebula_engine.config import DEFAULT_MODEL, EngineConfig
+from nebula_engine.engine.chat_messages import flatten_content_parts
 from nebula_engine.engine.llm_engine import DEFAULT_BACKEND, LLMEngine
 from nebula_engine.engine.outputs import RequestOutput
 from nebula_engine.engine.sampling_params import SamplingParams
@@ -26,7 +27,9 @@ class LLM:
 
     ``options`` are any field of ``EngineConfig`` / ``CacheConfig`` / ``SchedulerConfig``
     (``page_size``, ``num_pages``, ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``,
-    ``attention_backend``, ``seed``, ``pic_backend``, ...).
+    ``attention_backend``, ``seed``, ``pic_backend``, ...), and vLLM's ``tokenizer`` (a directory or hub id to
+    take the tokenizer from), ``skip_tokenizer_init`` (no tokenizer: prompts as ``{"prompt_token_ids": [...]}``,
+    outputs without text) and ``revision`` (of a hub id; a ValueError for a local path, which has none).
 
     ``pic_backend`` ("auto" by default) combines the ``<pic>`` segments of prompts; None turns PIC off while
     keeping the same per-segment tokenization, so the token ids never depend on it. ``generate`` and ``chat``
@@ -38,30 +41,45 @@ class LLM:
         self._request_counter = itertools.count()
 
     def get_tokenizer(self):
-        return self.llm_engine.tokenizer.hf
+        return self._tokenizer().hf
+
+    def _tokenizer(self):
+        if self.llm_engine.tokenizer is None:
+            raise ValueError("this LLM was made with skip_tokenizer_init=True: it has no tokenizer; give prompts as "
+                             "{'prompt_token_ids': [...]}")
+        return self.llm_engine.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache and PIC store on the device (entries move to a host / disk tier when there is
+        one); False while requests are running, as vLLM."""
+        return self.llm_engine.reset_prefix_cache()
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool | Callable[..., Any] = True,
                  pic_backend: str | None | object = DEFAULT_BACKEND) -> list[RequestOutput]:
         """One ``RequestOutput`` per prompt, in input order. Invalid input raises ValueError first. A request the
         engine failed while running comes back finished with ``finish_reason == "error"`` and ``error`` set; the
-        others are unaffected."""
+        others are unaffected. ``use_tqdm``: a progress bar over two or more prompts (True: tqdm's; or a tqdm-like
+        class)."""
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         requests = [self._tokenize(p) for p in prompts]
-        return self._run(requests, self._params_per_prompt(sampling_params, len(requests)), pic_backend)
+        return self._run(requests, self._params_per_prompt(sampling_params, len(requests)), pic_backend, use_tqdm)
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool | Callable[..., Any] = True,
              pic_backend: str | None | object = DEFAULT_BACKEND) -> list[RequestOutput]:
-        """Apply the chat template to one conversation (a list of messages) or a list of them."""
+        """Apply the chat template to one conversation (a list of messages) or a list of them. Contents may be
+        strings or OpenAI content-part lists (text parts; an image part is a ValueError for text models)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if not conversations:
             raise ValueError("no conversation given")
-        requests = [self._tokenize_chat(c) for c in conversations]
-        return self._run(requests, self._params_per_prompt(sampling_params, len(requests)), pic_backend)
+        requests = [self._tokenize_chat(flatten_content_parts(c)) for c in conversations]
+        return self._run(requests, self._params_per_prompt(sampling_params, len(requests)), pic_backend, use_tqdm)
 
     def _tokenize_chat(self, conversation: list[Message]) -> tuple[str | None, list[int] | SegmentedPrompt]:
-        tokenizer = self.llm_engine.tokenizer
+        tokenizer = self._tokenizer()
         tagged = any(isinstance(m.get("content"), str) and any(t in m["content"] for t in _TAGS)
                      for m in conversation)
         if tagged:
@@ -69,8 +87,8 @@ class LLM:
         return tokenizer.apply_chat_template(conversation)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int] | SegmentedPrompt]:
-        tokenizer = self.llm_engine.tokenizer
         if isinstance(prompt, str):
+            tokenizer = self._tokenizer()
             if any(tag in prompt for tag in _TAGS):
                 return prompt, tokenizer.segment_prompt(prompt)
             return prompt, tokenizer.encode(prompt)
@@ -92,7 +110,8 @@ class LLM:
         return params
 
     def _run(self, requests: list[tuple[str | None, list[int] | SegmentedPrompt]], params: list[SamplingParams],
-             pic_backend: str | None | object = DEFAULT_BACKEND) -> list[RequestOutput]:
+             pic_backend: str | None | object = DEFAULT_BACKEND,
+             use_tqdm: bool | Callable[..., Any] = False) -> list[RequestOutput]:
         engine = self.llm_engine
         for (_, prompt), p in zip(requests, params):  # all of them before any is scheduled
             engine.validate_request(list(prompt.token_ids) if isinstance(prompt, SegmentedPrompt) else prompt, p)
@@ -101,13 +120,31 @@ class LLM:
         for request_id, (text, prompt), p in zip(request_ids, requests, params):
             engine.add_request(request_id, prompt, p, prompt=text, pic_backend=pic_backend)
         results: dict[str, RequestOutput] = {}
+        bar = _progress_bar(use_tqdm, len(request_ids))
         try:
             while len(results) < len(request_ids):
                 for output in engine.step():
                     if output.finished:
                         results[output.request_id] = output
+                        if bar is not None:
+                            bar.update(1)
         except BaseException:
             for request_id in request_ids:  # leave the engine idle, whatever failed
                 engine.abort_request(request_id)
             raise
+        finally:
+            if bar is not None:
+                bar.close()
         return [results[i] for i in request_ids]
+
+
+def _progress_bar(use_tqdm: bool | Callable[..., Any], total: int):
+    """vLLM's ``use_tqdm``: True for tqdm's bar, a tqdm-like class for that one, False for none. A single prompt
+    gets no bar (one step of progress tells nothing; benchmarks and probes call ``generate`` one prompt at a time)."""
+    if use_tqdm is False or use_tqdm is None or total < 2:
+        return None
+    if use_tqdm is True:
+        from tqdm.auto import tqdm as use_tqdm
+    elif not callable(use_tqdm):
+        raise ValueError(f"use_tqdm must be a bool or a tqdm-like class, got {type(use_tqdm).__name__}")
+    return use_tqdm(total=total, desc="Processed prompts", unit="prompt", dynamic_ncols=True)

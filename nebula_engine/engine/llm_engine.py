@@ -12,10 +12,12 @@ from nebula_engine.engine.model_runner import ModelRunner
 from nebula_engine.engine.output_processor import OutputProcessor
 from nebula_engine.engine.pic_executor import PICExecutor
 from nebula_engine.engine.outputs import RequestOutput
-from nebula_engine.engine.sampler import Sampler
+from nebula_engine.engine.parallel_sampling import ParentRequest
+from nebula_engine.engine.sampler import Sampler, TopLogprobs
 from nebula_engine.engine.sampling_params import SamplingParams
 from nebula_engine.engine.scheduler import Scheduler
 from nebula_engine.engine.sequence import Sequence
+from nebula_engine.engine.structured_outputs import GrammarCompiler
 from nebula_engine.engine.tokenizer import Tokenizer
 from nebula_engine.kernels.attention import get_attention_backend, resolve_attention_backend
 from nebula_engine.kvcache.cache_store import CacheStoreConfig
@@ -36,8 +38,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         dtype = getattr(torch, config.dtype)
-        model, self.model_config, checkpoint_dir = load_model(config.model, dtype, config.device)
-        self.tokenizer = Tokenizer(checkpoint_dir)
+        model, self.model_config, checkpoint_dir = load_model(config.model, dtype, config.device, config.revision)
+        # None with skip_tokenizer_init: prompts are token ids and outputs carry token ids only
+        self.tokenizer = None if config.skip_tokenizer_init else Tokenizer(config.tokenizer or checkpoint_dir)
         groups = model.kv_cache_groups(dtype)
         page_size = config.cache.page_size
         # linear-attention layers: one state slot per sequence that can run at once
@@ -46,22 +49,28 @@ class LLMEngine:
             groups, page_size, config.cache.kv_cache_memory_bytes, num_state_slots)
         self.max_model_len = self._max_model_len(self.model_config, num_pages * page_size)
         self.pic_backend = resolve_pic_backend(config.pic_backend, model)
+        eos_token_ids = self._eos_token_ids()
+        self.grammar_compiler = (GrammarCompiler(self.tokenizer.hf, self.model_config.vocab_size, eos_token_ids)
+                                 if self.tokenizer is not None else None)
         self.scheduler = Scheduler(config.scheduler, self._kv_cache_manager(num_pages, num_state_slots))
         self.model_runner = ModelRunner(model, KVCacheStorage(groups, num_pages, page_size, config.device,
                                                               num_state_slots),
                                         get_attention_backend(resolve_attention_backend(config.attention_backend,
                                                                                         config.device)),
-                                        Sampler(config.seed, config.device), config.device)
+                                        Sampler(config.seed, config.device, eos_token_ids, self.grammar_compiler),
+                                        config.device)
         kv_cache = self.scheduler.kv_cache
         self.cache_store = kv_cache.cache if isinstance(kv_cache, PrefixCachingKVCacheManager) else None
         if self.cache_store is not None:
             self.cache_store.page_io = StoragePageIO(self.model_runner.kv_storage)
-            prefix = self.tokenizer.prompt_prefix_ids
+            prefix = self.tokenizer.prompt_prefix_ids if self.tokenizer is not None else []
             self.model_runner.pic_executor = PICExecutor(
                 model, self.model_runner.kv_storage, self.cache_store, self.model_runner.attention_backend,
                 self.model_runner.mla_backend, self._model_id(), prefix[0] if len(prefix) == 1 else None)
-        self.output_processor = OutputProcessor(self.tokenizer, self._eos_token_ids(), self.max_model_len)
+        self.output_processor = OutputProcessor(self.tokenizer, eos_token_ids, self.max_model_len)
         self._sequences: dict[str, Sequence] = {}
+        self._parents: dict[str, ParentRequest] = {}  # n > 1 requests by id
+        self._parent_of: dict[str, ParentRequest] = {}  # their sequences' ids -> the request
 
     def _model_id(self) -> str:
         """Part of every cache key: ``./ckpt`` and ``/abs/ckpt`` (directories or .gguf files) name the same model."""
@@ -92,7 +101,7 @@ class LLMEngine:
 
     def _eos_token_ids(self) -> set[int]:
         eos = set(self.model_config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         return eos
 
@@ -114,18 +123,47 @@ class LLMEngine:
         bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"stop_token_ids {bad[:5]} outside the vocabulary [0, {vocab})")
+        bad = [t for t in (params.logit_bias or {}) if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"logit_bias token id(s) {bad[:5]} outside the vocabulary [0, {vocab})")
+        if self.tokenizer is None and (params.stop or params.structured_outputs is not None):
+            raise ValueError("stop strings and structured outputs need a tokenizer; this engine was started with "
+                             "skip_tokenizer_init")
+        if params.structured_outputs is not None:
+            self.grammar_compiler.compile(params.structured_outputs)  # ValueError for an invalid schema / grammar
 
     def add_request(self, request_id: str, prompt_token_ids: list[int] | SegmentedPrompt, params: SamplingParams,
                     prompt: str | None = None, pic_backend: str | None | object = DEFAULT_BACKEND,
                     hold_kv: bool = False) -> None:
         """Queue a request. A ``SegmentedPrompt`` (``tokenizer.segment_prompt`` / ``segment_chat``) marks its PIC
         segments; ``pic_backend`` overrides the engine's for this request (None: no PIC, same token ids)."""
-        if request_id in self._sequences:
+        if request_id in self._sequences or request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         segmented = prompt_token_ids if isinstance(prompt_token_ids, SegmentedPrompt) else None
         prompt_token_ids = list(segmented.token_ids) if segmented is not None else prompt_token_ids
         self.validate_request(prompt_token_ids, params)
         backend = self.resolve_request_backend(pic_backend) if segmented is not None else None
+        if params.n > 1:
+            self._add_parent(request_id, prompt_token_ids, segmented, params, prompt, backend, hold_kv)
+            return
+        self._add_sequence(request_id, prompt_token_ids, segmented, params, prompt, backend, hold_kv)
+
+    def _add_parent(self, request_id: str, prompt_token_ids: list[int], segmented: SegmentedPrompt | None,
+                    params: SamplingParams, prompt: str | None, backend: PICBackend | None, hold_kv: bool) -> None:
+        if hold_kv:
+            raise ValueError("n > 1 cannot hold its pages for a prefill -> decode hand-off")
+        parent = ParentRequest(request_id, params.n)
+        taken = [c for c in parent.child_ids if c in self._sequences or c in self._parents]
+        if taken:
+            raise ValueError(f"request id {taken[0]!r} of completion {parent.index_of(taken[0])} is already in use")
+        self._parents[request_id] = parent
+        for index, child_id in enumerate(parent.child_ids):
+            self._parent_of[child_id] = parent
+            self._add_sequence(child_id, prompt_token_ids, segmented, params.for_completion(index), prompt, backend,
+                               False)
+
+    def _add_sequence(self, request_id: str, prompt_token_ids: list[int], segmented: SegmentedPrompt | None,
+                      params: SamplingParams, prompt: str | None, backend: PICBackend | None, hold_kv: bool) -> None:
         seq = Sequence(request_id, prompt_token_ids, params, prompt, segmented, backend)
         seq.hold_kv = hold_kv
         self._sequences[request_id] = seq
@@ -134,6 +172,16 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the device's prefix cache and PIC store (vLLM's ``reset_prefix_cache``): every entry leaves the
+        device, moved to a host or disk tier when the engine has one (as under pool pressure), else dropped.
+        False, changing nothing, while requests are in flight (their pages pin entries)."""
+        if self.scheduler.has_unfinished() or self.scheduler.held:
+            return False
+        if self.cache_store is not None:
+            self.cache_store.evict_all()
+        return True
 
     def resolve_request_backend(self, spec) -> PICBackend | None:
         """The backend a request asked for (``DEFAULT_BACKEND``: the engine's); ValueError if unusable."""
@@ -180,6 +228,8 @@ class LLMEngine:
                       params: SamplingParams, cached: tuple[int, int, int] = (0, 0, 0)) -> RequestOutput:
         """Continue a request prefilled elsewhere: its prompt K/V is in the reserved pages, its first token was
         sampled there. Returns the output after that first token (it may already be finished)."""
+        if params.n > 1 or params.prompt_logprobs is not None:
+            raise ValueError("a request prefilled by another engine runs one completion (n=1) without prompt_logprobs")
         seq = Sequence(request_id, prompt_token_ids, params)
         seq.num_prefix_cached_tokens, seq.num_pic_cached_tokens, seq.num_recomputed_tokens = cached
         seq.num_computed_tokens = len(prompt_token_ids)
@@ -195,6 +245,12 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> bool:
         """Stop ``request_id`` now; False if it is unknown or already finished."""
+        parent = self._parents.pop(request_id, None)
+        if parent is not None:
+            for child_id in parent.child_ids:
+                self._parent_of.pop(child_id, None)
+                self.abort_request(child_id)
+            return True
         seq = self._sequences.pop(request_id, None)
         if seq is None:
             return False
@@ -215,18 +271,47 @@ class LLMEngine:
         result = self.model_runner.execute_model(output)
         self.scheduler.advance(output, failed=result.failed)
         outputs = [self._fail(seq_id, exc) for seq_id, exc in result.failed.items()]
-        for seq_id, token_id, logprob in zip(result.seq_ids, result.sampled.token_ids, result.sampled.logprobs):
-            seq = self._sequences[seq_id]
+        for seq_id, (first, entries) in result.prompt_logprobs.items():
+            if seq_id in self._sequences:  # not failed in this step's sampling
+                self.output_processor.add_prompt_logprobs(self._sequences[seq_id], first, entries)
+        sampled = result.sampled
+        tops = sampled.top_logprobs or [None] * len(result.seq_ids)
+        for seq_id, token_id, logprob, top in zip(result.seq_ids, sampled.token_ids, sampled.logprobs, tops):
+            seq = self._sequences.get(seq_id)
+            if seq is None:  # a sibling of an n > 1 request failed earlier in this step: it was aborted with it
+                continue
             try:
-                outputs.append(self._append_token(seq, token_id, logprob))
+                outputs.append(self._append_token(seq, token_id, logprob, top))
             except Exception as exc:  # this request's detokenization or stop check
                 logger.error("request %s failed while processing its output", seq_id, exc_info=exc)
                 outputs.append(self._fail(seq_id, exc))
-        return outputs
+        return self._gather_parents(outputs)
 
-    def _append_token(self, seq: Sequence, token_id: int, logprob: float) -> RequestOutput:
+    def _gather_parents(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Outputs of the sequences of ``n > 1`` requests become one output per request (after the others)."""
+        gathered, touched = [], {}
+        for output in outputs:
+            parent = self._parent_of.get(output.request_id)
+            if parent is None:
+                gathered.append(output)
+                continue
+            parent.update(output.request_id, output)
+            touched[parent.request_id] = parent
+        for parent in touched.values():
+            if parent.error is not None:  # one completion failed: the request fails, its other sequences stop
+                for child_id in parent.unfinished_child_ids():
+                    self.abort_request(child_id)
+            if parent.finished:
+                self._parents.pop(parent.request_id, None)
+                for child_id in parent.child_ids:
+                    self._parent_of.pop(child_id, None)
+            gathered.append(parent.output())
+        return gathered
+
+    def _append_token(self, seq: Sequence, token_id: int, logprob: float,
+                      top: TopLogprobs | None = None) -> RequestOutput:
         seq.append_token(token_id, logprob)
-        decision = self.output_processor.process_token(seq)
+        decision = self.output_processor.process_token(seq, top)
         if decision is None:
             return self.output_processor.snapshot(seq)
         self.scheduler.finish(seq, decision.finish_reason, decision.stop_reason)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from nebula_engine.engine.sampler import Sampler, SamplerOutput
+from nebula_engine.engine.sampler import RowHistory, Sampler, SamplerOutput, TopLogprobs, top_logprobs
 from nebula_engine.engine.scheduler import ScheduledSequence, SchedulerOutput
 from nebula_engine.kernels.attention import AttentionBackend, AttentionContext, AttentionMetadata
 from nebula_engine.kernels.mla_attention import mla_backend_for
@@ -43,6 +43,12 @@ class ModelRunnerOutput:
     seq_ids: list[str]  # sequences that sampled a token this step, in batch order
     sampled: SamplerOutput
     failed: dict[str, Exception] = field(default_factory=dict)  # seq id -> the error that stopped it this step
+    # seq id -> (the prompt position of its first entry, one entry per prompt token this step predicted)
+    prompt_logprobs: dict[str, tuple[int, list[TopLogprobs]]] = field(default_factory=dict)
+
+
+# rows of [rows, V] fp32 logits computed at once for prompt logprobs: 512 x a 152k vocabulary is 311 MB
+PROMPT_LOGPROBS_ROWS = 512
 
 
 class ModelRunner:
@@ -63,29 +69,51 @@ class ModelRunner:
         for seq_id in output.finished_seq_ids:
             self.sampler.release(seq_id)
         failed: dict[str, Exception] = {}
-        parts = self._forward_isolated(output.scheduled, failed) if output.scheduled else []
+        prompt_hidden: dict[str, tuple[int, torch.Tensor]] = {}
+        parts = self._forward_isolated(output.scheduled, failed, prompt_hidden) if output.scheduled else []
         for entry in output.combines:
             try:
                 parts.append(([entry], self.pic_executor.run(entry)))
             except Exception as exc:  # one request's combine prefill
                 self._record_failure(entry, exc, failed)
+        prompt_logprobs = self._prompt_logprobs(output.scheduled, prompt_hidden, failed)
         sampling = [entry for entries, _ in parts for entry in entries]
         if not sampling:  # every sequence is mid-prefill (or failed)
-            return ModelRunnerOutput([], SamplerOutput([], []), failed)
+            return ModelRunnerOutput([], SamplerOutput([], []), failed, prompt_logprobs)
         seq_ids = [s.seq_id for s in sampling]
         logits = self.model.compute_logits(torch.cat([hidden for _, hidden in parts]))
-        sampled = self.sampler(logits, seq_ids, [s.seq.sampling_params for s in sampling])
+        sampled = self.sampler(logits, seq_ids, [s.seq.sampling_params for s in sampling],
+                               [RowHistory(s.seq.token_ids, s.seq.num_prompt_tokens) for s in sampling])
         for seq_id, exc in sampled.failed.items():
             logger.error("request %s failed: its sampling state could not be built", seq_id, exc_info=exc)
         failed.update(sampled.failed)
-        return ModelRunnerOutput([i for i in seq_ids if i not in sampled.failed], sampled, failed)
+        return ModelRunnerOutput([i for i in seq_ids if i not in sampled.failed], sampled, failed, prompt_logprobs)
 
-    def _forward_isolated(self, scheduled: tuple[ScheduledSequence, ...], failed: dict[str, Exception]
+    def _prompt_logprobs(self, scheduled: tuple[ScheduledSequence, ...], prompt_hidden: dict[str, tuple[int, torch.Tensor]],
+                         failed: dict[str, Exception]) -> dict[str, tuple[int, list[TopLogprobs]]]:
+        """Logprobs of the prompt tokens predicted by this step's hidden states, for requests that asked."""
+        result = {}
+        for entry in scheduled:
+            if entry.seq_id not in prompt_hidden or entry.seq_id in failed:
+                continue
+            first, hidden = prompt_hidden[entry.seq_id]
+            targets = entry.seq.token_ids[first:first + hidden.shape[0]]
+            k = entry.seq.sampling_params.prompt_logprobs
+            entries: list[TopLogprobs] = []
+            for start in range(0, hidden.shape[0], PROMPT_LOGPROBS_ROWS):
+                logits = self.model.compute_logits(hidden[start:start + PROMPT_LOGPROBS_ROWS]).float()
+                tokens = torch.tensor(targets[start:start + PROMPT_LOGPROBS_ROWS], dtype=torch.long, device=self.device)
+                entries += top_logprobs(torch.log_softmax(logits, dim=-1), tokens, [k] * len(tokens))
+            result[entry.seq_id] = (first, entries)
+        return result
+
+    def _forward_isolated(self, scheduled: tuple[ScheduledSequence, ...], failed: dict[str, Exception],
+                          prompt_hidden: dict[str, tuple[int, torch.Tensor]],
                           ) -> list[tuple[list[ScheduledSequence], torch.Tensor]]:
         """(sampling entries, their hidden states) of the parts of ``scheduled`` whose forward succeeds; the
         sequences whose forward fails even alone go to ``failed``."""
         try:
-            hidden, new_states = self.forward(scheduled)
+            hidden, new_states, prompt_rows = self.forward(scheduled)
         except Exception as exc:
             if len(scheduled) == 1:
                 self._record_failure(scheduled[0], exc, failed)
@@ -93,10 +121,11 @@ class ModelRunner:
             logger.warning("forward of %d sequences failed (%r); running each half again to find the cause",
                            len(scheduled), exc)
             middle = len(scheduled) // 2
-            return (self._forward_isolated(scheduled[:middle], failed)
-                    + self._forward_isolated(scheduled[middle:], failed))
+            return (self._forward_isolated(scheduled[:middle], failed, prompt_hidden)
+                    + self._forward_isolated(scheduled[middle:], failed, prompt_hidden))
         if new_states is not None:  # outside the retry: a failure here is the engine's, not a request's
             self._store_states(scheduled, new_states)
+        prompt_hidden.update(prompt_rows)
         return [([s for s in scheduled if s.samples], hidden)]
 
     @staticmethod
@@ -105,9 +134,11 @@ class ModelRunner:
         failed[entry.seq_id] = exc
 
     def forward(self, scheduled: tuple[ScheduledSequence, ...]
-                ) -> tuple[torch.Tensor, list[list[LinearAttentionState]] | None]:
-        """Hidden states [n, D] of the last token of each sequence that samples this step, and the new
-        linear-attention states [L][B] to store (None without linear-attention layers). Writes only KV slots."""
+                ) -> tuple[torch.Tensor, list[list[LinearAttentionState]] | None, dict[str, tuple[int, torch.Tensor]]]:
+        """Hidden states [n, D] of the last token of each sequence that samples this step, the new
+        linear-attention states [L][B] to store (None without linear-attention layers), and for each sequence
+        that asked for prompt logprobs, (p, the hidden states predicting its prompt tokens p, p+1, ...) in this
+        step's tokens. Writes only KV slots."""
         inputs = self.prepare_inputs(scheduled)
         ctx = AttentionContext(self.attention_backend, inputs.meta, self.kv_storage.layer_caches, self.mla_backend)
         new_states = None
@@ -116,7 +147,22 @@ class ModelRunner:
                                                                 self._load_states(scheduled))
         else:
             hidden = self.model.forward(inputs.input_ids, inputs.positions, ctx)
-        return hidden.index_select(0, inputs.logits_indices), new_states
+        return hidden.index_select(0, inputs.logits_indices), new_states, self._prompt_rows(scheduled, inputs, hidden)
+
+    @staticmethod
+    def _prompt_rows(scheduled: tuple[ScheduledSequence, ...], inputs: ModelInputs, hidden: torch.Tensor
+                     ) -> dict[str, tuple[int, torch.Tensor]]:
+        """Token at position p predicts prompt token p + 1: the rows of this step's prompt positions before the
+        last one, for sequences that asked for prompt logprobs."""
+        rows = {}
+        for entry, row_start in zip(scheduled, inputs.meta.query_start_loc):
+            if entry.seq.sampling_params.prompt_logprobs is None:
+                continue
+            start = entry.num_computed_tokens
+            end = min(start + entry.num_new_tokens, entry.seq.num_prompt_tokens - 1)
+            if end > start:
+                rows[entry.seq_id] = (start + 1, hidden[row_start:row_start + end - start])
+        return rows
 
     def _load_states(self, scheduled: tuple[ScheduledSequence, ...]) -> list[list[LinearAttentionState | None]]:
         """[L][B] states to continue from; None where a sequence starts (its slot may hold a previous owner's)."""

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nebula_engine.engine.outputs import CompletionOutput, RequestOutput
+from nebula_engine.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from nebula_engine.engine.sampler import TopLogprobs
 from nebula_engine.engine.sequence import Sequence
 from nebula_engine.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -16,7 +17,7 @@ class StopDecision:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer, eos_token_ids: set[int], max_model_len: int):
+    def __init__(self, tokenizer: Tokenizer | None, eos_token_ids: set[int], max_model_len: int):
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
@@ -24,19 +25,31 @@ class OutputProcessor:
 
     def add(self, seq: Sequence) -> None:
         skip = seq.sampling_params.skip_special_tokens
-        self._detokenizers[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, skip)
+        self._detokenizers[seq.seq_id] = (IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, skip)
+                                          if self.tokenizer is not None else NoText())
+        if seq.sampling_params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None] * seq.num_prompt_tokens  # the first stays None: nothing predicts it
 
-    def process_token(self, seq: Sequence) -> StopDecision | None:
-        """Detokenize ``seq``'s newest token and decide whether ``seq`` stops here."""
+    def add_prompt_logprobs(self, seq: Sequence, first: int, entries: list[TopLogprobs]) -> None:
+        """Prompt tokens ``first``, ``first + 1``, ... (a recompute after preemption writes the same again)."""
+        for position, entry in enumerate(entries, start=first):
+            seq.prompt_logprobs[position] = self.logprob_dict(entry)
+
+    def process_token(self, seq: Sequence, top_logprobs: TopLogprobs | None = None) -> StopDecision | None:
+        """Detokenize ``seq``'s newest token (and its top logprobs, when asked) and decide whether ``seq`` stops
+        here. Before ``min_tokens`` output tokens nothing but the length limit stops it (as vLLM)."""
         token = seq.token_ids[-1]
         params = seq.sampling_params
         detokenizer = self._detokenizers[seq.seq_id]
-        if not params.ignore_eos and token in self.eos_token_ids:
+        if top_logprobs is not None:
+            seq.output_top_logprobs.append(self.logprob_dict(top_logprobs))
+        may_stop = seq.num_output_tokens >= params.min_tokens  # the sampler masked EOS and stop ids before that
+        if may_stop and not params.ignore_eos and token in self.eos_token_ids:
             return StopDecision("stop")  # EOS itself never reaches the text
-        if token in params.stop_token_ids:
+        if may_stop and token in params.stop_token_ids:
             return StopDecision("stop", token)
         delta = detokenizer.add_token(token)
-        if delta and params.stop:
+        if delta and params.stop and seq.num_output_tokens > params.min_tokens:  # vLLM's detokenizer: strictly after
             stop = find_stop_string(detokenizer.text, len(delta), params.stop)
             if stop is not None:
                 detokenizer.truncate(stop[1])
@@ -55,15 +68,38 @@ class OutputProcessor:
     def discard(self, seq_id: str) -> None:
         self._detokenizers.pop(seq_id, None)
 
+    def logprob_dict(self, top: TopLogprobs) -> dict[int, Logprob]:
+        """vLLM's ``{token_id: Logprob}`` of one position; each token's text decoded alone, special tokens kept."""
+        texts = (self.tokenizer.hf.batch_decode([[t] for t in top.token_ids], skip_special_tokens=False)
+                 if self.tokenizer is not None else [None] * len(top.token_ids))
+        return {t: Logprob(lp, rank, text) for t, lp, rank, text in zip(top.token_ids, top.logprobs, top.ranks, texts)}
+
     @staticmethod
     def _output(seq: Sequence, text: str, finished: bool) -> RequestOutput:
-        completion = CompletionOutput(0, text, seq.output_token_ids, list(seq.output_logprobs),
-                                      seq.finish_reason, seq.stop_reason)
+        asked = seq.sampling_params.logprobs is not None
+        completion = CompletionOutput(0, text, seq.output_token_ids,
+                                      sum(seq.output_logprobs) if asked else None,
+                                      list(seq.output_top_logprobs) if asked else None,
+                                      seq.finish_reason, seq.stop_reason, list(seq.output_logprobs))
+        prompt_logprobs = list(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None
         return RequestOutput(seq.seq_id, seq.prompt, seq.prompt_token_ids, [completion], finished=finished,
+                             prompt_logprobs=prompt_logprobs,
                              num_cached_tokens=seq.num_prefix_cached_tokens + seq.num_pic_cached_tokens,
                              num_prefix_cached_tokens=seq.num_prefix_cached_tokens,
                              num_pic_cached_tokens=seq.num_pic_cached_tokens,
                              num_recomputed_tokens=seq.num_recomputed_tokens)
+
+
+class NoText:
+    """The detokenizer of an engine without a tokenizer (``skip_tokenizer_init``): outputs are token ids only."""
+
+    text = ""
+
+    def add_token(self, token_id: int) -> str:
+        return ""
+
+    def truncate(self, length: int) -> None:
+        pass
 
 
 def find_stop_string(text: str, num_new_chars: int, stops: tuple[str, ...]) -> tuple[str, int] | None:

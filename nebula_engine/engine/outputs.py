@@ -1,4 +1,4 @@
-"""What ``LLM.generate`` returns (vLLM's ``RequestOutput`` / ``CompletionOutput`` shape)."""
+"""What ``LLM.generate`` returns (vLLM's ``RequestOutput`` / ``CompletionOutput`` / ``Logprob`` shape)."""
 
 from __future__ import annotations
 
@@ -6,13 +6,32 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """One candidate token at one position: its log-probability under the model's unmodified logits, its rank
+    among all tokens (1 = most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# one dict per generated token: the sampled token and the top k, token id -> Logprob
+SampleLogprobs = list[dict[int, Logprob]]
+# one entry per prompt token; the first is None (nothing predicts it)
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass
 class CompletionOutput:
-    index: int
+    index: int  # which of the request's n completions
     text: str
     token_ids: list[int]
-    logprobs: list[float]  # log-probability of each generated token under the unmodified logits
+    cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs; None unless logprobs were asked
+    logprobs: SampleLogprobs | None = None  # None unless SamplingParams.logprobs was set
     finish_reason: str | None = None  # "stop" | "length" | "error" (see RequestOutput.error)
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    # nebula-engine: each sampled token's logprob, always kept (cluster hand-offs carry them)
+    token_logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -22,6 +41,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    prompt_logprobs: PromptLogprobs | None = None  # None unless SamplingParams.prompt_logprobs was set
     num_cached_tokens: int = 0  # prompt tokens whose K/V was reused: prefix cache + PIC store
     num_prefix_cached_tokens: int = 0  # part of num_cached_tokens: the prefix cache (exact)
     num_pic_cached_tokens: int = 0  # part of num_cached_tokens: PIC segments reused at a new position

@@ -1,63 +1,141 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds.
+"""Token sampling, vLLM's order: grammar mask, min_tokens, logit bias, penalties, then greedy or temperature,
+min-p, top-k, top-p; per-request seeds.
 
-A seeded request draws its noise from its own ``torch.Generator`` over its own row only, so its
-tokens do not depend on what else is in the batch. The returned logprob is that of the sampled
-token under the unmodified logits (vLLM's default), whatever the sampling settings.
+Every transform runs on the whole batch at once (``logits_processors``); the per-row Python work is building a
+row's settings, never a pass over the vocabulary. Penalties read per-sequence token counts kept here as tensors
+and brought up to date from the sequence's tokens each step (one indexed add for the tokens new since the last
+step), so they also hold after a preemption or for a request prefilled by another engine.
 
-Each row's own state (its generator, its settings as plain numbers) is built for that row alone: a request
-whose state cannot be built is reported in ``SamplerOutput.failed`` and left out, and the batch goes on.
+A seeded request draws its noise from its own ``torch.Generator`` over its own row only, so its tokens do not
+depend on what else is in the batch. Logprobs (the sampled token's, and the top k when asked) are taken from the
+unmodified logits (vLLM's default ``raw_logprobs``), whatever the sampling settings.
+
+Each row's own state (its generator, token counts, grammar matcher) is built for that row alone: a request whose
+state cannot be built is reported in ``SamplerOutput.failed`` and left out, and the batch goes on.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Collection, Sequence
 
 import torch
 
+from nebula_engine.engine.logits_processors import (apply_min_p, apply_penalties, apply_top_k_top_p,
+                                                    sparse_rows)
 from nebula_engine.engine.sampling_params import SamplingParams
+from nebula_engine.engine.structured_outputs import GrammarCompiler
+
+__all__ = ["RowHistory", "Sampler", "SamplerOutput", "TopLogprobs", "apply_top_k_top_p"]
+
+
+@dataclass(frozen=True)
+class RowHistory:
+    """The tokens of the sequence a row samples for: prompt then output (the sequence's own list, read only)."""
+
+    token_ids: Sequence[int] = ()
+    num_prompt_tokens: int = 0
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass(frozen=True)
+class TopLogprobs:
+    """The sampled token, then the top k of a row, with their logprobs and ranks (1 = most likely)."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    ranks: tuple[int, ...]
 
 
 @dataclass(frozen=True)
 class SamplerOutput:
     token_ids: list[int]  # one per row that did not fail, in row order
-    logprobs: list[float]
+    logprobs: list[float]  # the sampled token's, under the unmodified logits
     failed: dict[str, Exception] = field(default_factory=dict)  # seq id -> why its row could not be sampled
+    top_logprobs: list[TopLogprobs | None] = field(default_factory=list)  # per row; None unless params.logprobs
+
+
+@dataclass
+class _TokenCounts:
+    prompt_mask: torch.Tensor  # [V] bool
+    output_counts: torch.Tensor  # [V] float
+    num_counted: int = 0  # output tokens already in output_counts
+
+
+@dataclass
+class _GrammarState:
+    matcher: object  # xgrammar.GrammarMatcher
+    num_accepted: int = 0  # output tokens the matcher has consumed
 
 
 @dataclass(frozen=True)
-class _RowSettings:
-    temperature: float
+class _Row:
+    params: SamplingParams
+    history: RowHistory
     top_k: int  # 0: no limit
-    top_p: float
     generator: torch.Generator | None  # None for greedy rows
-
-
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Set logits outside each row's top-k, then outside its top-p nucleus, to -inf.
-
-    logits [n, V]; top_k [n] int (<= 0 means no limit); top_p [n] float in (0, 1]. Top-p is taken
-    over the distribution renormalised after top-k; the most likely token always survives.
-    """
-    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
-    ranks = torch.arange(logits.shape[-1], device=logits.device)
-    k = torch.where(top_k > 0, top_k, logits.shape[-1])
-    sorted_logits = sorted_logits.masked_fill(ranks >= k[:, None], float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    sorted_logits = sorted_logits.masked_fill((mass_before >= top_p[:, None]) & (ranks > 0), float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    counts: _TokenCounts | None  # rows with penalties only
+    grammar: _GrammarState | None  # rows with structured outputs only
 
 
 class Sampler:
-    """Samples one token per row; owns the per-request generators until ``release``."""
+    """Samples one token per row; owns each request's generator, token counts and grammar matcher until
+    ``release``."""
 
-    def __init__(self, seed: int, device: torch.device | str = "cpu"):
+    def __init__(self, seed: int, device: torch.device | str = "cpu", eos_token_ids: Collection[int] = (),
+                 grammar_compiler: GrammarCompiler | None = None):
         self.device = torch.device(device)
+        self.eos_token_ids = tuple(sorted(eos_token_ids))
+        self.grammar_compiler = grammar_compiler
         self._default_generator = torch.Generator(self.device).manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
+        self._counts: dict[str, _TokenCounts] = {}
+        self._grammars: dict[str, _GrammarState] = {}
 
     def release(self, seq_id: str) -> None:
         self._generators.pop(seq_id, None)
+        self._counts.pop(seq_id, None)
+        self._grammars.pop(seq_id, None)
+
+    def __call__(self, logits: torch.Tensor, seq_ids: list[str], params: list[SamplingParams],
+                 histories: list[RowHistory] | None = None) -> SamplerOutput:
+        """logits [n, V] fp32, one row per sequence that samples this step; ``histories`` (default: empty) are
+        the rows' tokens, which penalties, min_tokens and structured outputs read."""
+        histories = histories if histories is not None else [RowHistory()] * len(seq_ids)
+        rows, failed = [], {}
+        for seq_id, p, history in zip(seq_ids, params, histories):
+            try:
+                rows.append(self._row(seq_id, p, history, logits.shape[-1]))
+            except Exception as exc:  # this request's own state: only this request fails
+                failed[seq_id] = exc
+        if failed:
+            keep = [i for i, seq_id in enumerate(seq_ids) if seq_id not in failed]
+            logits = logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
+        if not rows:
+            return SamplerOutput([], [], failed, [])
+        logprobs = torch.log_softmax(logits, dim=-1)
+        logits = self._process(logits, rows)
+        tokens = logits.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(rows) if r.generator is not None]
+        if random_rows:
+            index = torch.tensor(random_rows, device=logits.device)
+            tokens[index] = self._sample(logits[index], [rows[i] for i in random_rows])
+        chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
+        top = self._top_logprobs(logprobs, tokens, chosen, rows)
+        return SamplerOutput(tokens.tolist(), chosen.tolist(), failed, top)
+
+    # ---- per-row state ----
+
+    def _row(self, seq_id: str, params: SamplingParams, history: RowHistory, vocab_size: int) -> _Row:
+        counts = self._token_counts(seq_id, history, vocab_size) if params.has_penalties else None
+        grammar = self._grammar(seq_id, params, history) if params.structured_outputs is not None else None
+        if params.is_greedy:
+            return _Row(params, history, 0, None, counts, grammar)
+        top_k = params.top_k if 0 < params.top_k < vocab_size else 0  # at or above the vocabulary: every token
+        return _Row(params, history, top_k, self._generator(seq_id, params), counts, grammar)
 
     def _generator(self, seq_id: str, params: SamplingParams) -> torch.Generator:
         if params.seed is None:
@@ -66,42 +144,117 @@ class Sampler:
             self._generators[seq_id] = torch.Generator(self.device).manual_seed(params.seed)
         return self._generators[seq_id]
 
-    def __call__(self, logits: torch.Tensor, seq_ids: list[str], params: list[SamplingParams]) -> SamplerOutput:
-        """logits [n, V] fp32, one row per sequence that samples this step."""
-        settings, failed = [], {}
-        for seq_id, p in zip(seq_ids, params):
-            try:
-                settings.append(self._row_settings(seq_id, p, logits.shape[-1]))
-            except Exception as exc:  # this request's own state: only this request fails
-                failed[seq_id] = exc
-        if failed:
-            keep = [i for i, seq_id in enumerate(seq_ids) if seq_id not in failed]
-            logits = logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
-        logprobs = torch.log_softmax(logits, dim=-1)
-        tokens = logits.argmax(dim=-1)
-        random_rows = [i for i, s in enumerate(settings) if s.generator is not None]
-        if random_rows:
-            rows = torch.tensor(random_rows, device=logits.device)
-            tokens[rows] = self._sample(logits[rows], [settings[i] for i in random_rows])
-        chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
-        return SamplerOutput(tokens.tolist(), chosen.tolist(), failed)
+    def _token_counts(self, seq_id: str, history: RowHistory, vocab_size: int) -> _TokenCounts:
+        counts = self._counts.get(seq_id)
+        if counts is None:
+            prompt = torch.tensor(history.token_ids[:history.num_prompt_tokens], dtype=torch.long, device=self.device)
+            mask = torch.zeros(vocab_size, dtype=torch.bool, device=self.device)
+            mask[prompt] = True
+            counts = self._counts[seq_id] = _TokenCounts(mask, torch.zeros(vocab_size, device=self.device))
+        new = history.token_ids[history.num_prompt_tokens + counts.num_counted:]
+        if new:
+            ids = torch.tensor(new, dtype=torch.long, device=self.device)
+            counts.output_counts.index_add_(0, ids, torch.ones(len(new), device=self.device))
+            counts.num_counted += len(new)
+        return counts
 
-    def _row_settings(self, seq_id: str, params: SamplingParams, vocab_size: int) -> _RowSettings:
-        if params.is_greedy:
-            return _RowSettings(0.0, 0, 1.0, None)
-        top_k = params.top_k if 0 < params.top_k < vocab_size else 0  # at or above the vocabulary: every token
-        return _RowSettings(float(params.temperature), top_k, float(params.top_p), self._generator(seq_id, params))
+    def _grammar(self, seq_id: str, params: SamplingParams, history: RowHistory) -> _GrammarState:
+        state = self._grammars.get(seq_id)
+        if state is None:
+            if self.grammar_compiler is None:
+                raise ValueError("this sampler has no grammar compiler: it cannot serve structured outputs")
+            state = self._grammars[seq_id] = _GrammarState(self.grammar_compiler.matcher(params.structured_outputs))
+        for token in history.token_ids[history.num_prompt_tokens + state.num_accepted:]:
+            if not state.matcher.accept_token(token):
+                raise ValueError(f"token {token} does not follow the request's structured output grammar")
+            state.num_accepted += 1
+        return state
 
-    def _sample(self, logits: torch.Tensor, settings: list[_RowSettings]) -> torch.Tensor:
-        temperature = torch.tensor([s.temperature for s in settings], device=logits.device)
-        logits = logits / temperature[:, None]
-        if any(s.top_k > 0 or s.top_p < 1 for s in settings):
-            top_k = torch.tensor([s.top_k for s in settings], device=logits.device)
-            top_p = torch.tensor([s.top_p for s in settings], device=logits.device, dtype=logits.dtype)
-            logits = apply_top_k_top_p(logits, top_k, top_p)
+    # ---- batched transforms ----
+
+    def _process(self, logits: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
+        """Grammar mask, min_tokens, logit bias, penalties: the transforms greedy rows get too."""
+        if any(r.grammar is not None for r in rows):
+            logits = self._apply_grammar(logits, rows)
+        masked = [(i, t, float("-inf")) for i, r in enumerate(rows)
+                  if r.history.num_output_tokens < r.params.min_tokens for t in self._stop_ids(r.params)]
+        biased = [(i, t, b) for i, r in enumerate(rows) for t, b in (r.params.logit_bias or {}).items()]
+        if masked or biased:
+            logits = logits.clone()
+            if biased:
+                index_rows, cols, values = sparse_rows(biased, logits.device)
+                logits.index_put_((index_rows, cols), values.to(logits.dtype), accumulate=True)
+            if masked:
+                index_rows, cols, values = sparse_rows(masked, logits.device)
+                logits[index_rows, cols] = values.to(logits.dtype)
+        penalized = [i for i, r in enumerate(rows) if r.counts is not None]
+        if penalized:
+            index = torch.tensor(penalized, device=logits.device)
+            chosen = [rows[i] for i in penalized]
+            logits = logits.index_copy(0, index, apply_penalties(
+                logits[index],
+                torch.stack([r.counts.prompt_mask for r in chosen]),
+                torch.stack([r.counts.output_counts for r in chosen]),
+                self._per_row(chosen, "repetition_penalty", logits),
+                self._per_row(chosen, "frequency_penalty", logits),
+                self._per_row(chosen, "presence_penalty", logits)))
+        return logits
+
+    def _stop_ids(self, params: SamplingParams) -> tuple[int, ...]:
+        return params.stop_token_ids + (() if params.ignore_eos else self.eos_token_ids)
+
+    @staticmethod
+    def _apply_grammar(logits: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
+        import xgrammar
+
+        constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+        bitmask = xgrammar.allocate_token_bitmask(len(rows), logits.shape[-1])
+        for i in constrained:
+            rows[i].grammar.matcher.fill_next_token_bitmask(bitmask, i)
+        logits = logits.clone()
+        xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=constrained)
+        return logits
+
+    @staticmethod
+    def _per_row(rows: list[_Row], name: str, like: torch.Tensor) -> torch.Tensor:
+        return torch.tensor([float(getattr(r.params, name)) for r in rows], dtype=like.dtype, device=like.device)
+
+    def _sample(self, logits: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
+        logits = logits / self._per_row(rows, "temperature", logits)[:, None]
+        if any(r.params.min_p > 0 for r in rows):
+            logits = apply_min_p(logits, self._per_row(rows, "min_p", logits))
+        if any(r.top_k > 0 or r.params.top_p < 1 for r in rows):
+            top_k = torch.tensor([r.top_k for r in rows], device=logits.device)
+            logits = apply_top_k_top_p(logits, top_k, self._per_row(rows, "top_p", logits))
         probs = logits.softmax(dim=-1)
         # exponential race: argmax(p / E) with E ~ Exp(1) samples from p; noise drawn per row
         noise = torch.empty_like(probs)
-        for row, s in enumerate(settings):
-            noise[row].exponential_(generator=s.generator)
+        for row, r in enumerate(rows):
+            noise[row].exponential_(generator=r.generator)
         return (probs / noise).argmax(dim=-1)
+
+    @staticmethod
+    def _top_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, chosen: torch.Tensor,
+                      rows: list[_Row]) -> list[TopLogprobs | None]:
+        asking = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        result: list[TopLogprobs | None] = [None] * len(rows)
+        if asking:
+            index = torch.tensor(asking, device=logprobs.device)
+            found = top_logprobs(logprobs[index], tokens[index], [rows[i].params.logprobs for i in asking])
+            for i, entry in zip(asking, found):
+                result[i] = entry
+        return result
+
+
+def top_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, ks: list[int]) -> list[TopLogprobs]:
+    """For each row of ``logprobs`` [m, V]: its token ``tokens`` [m] then its top ``ks[row]``, with their logprobs
+    and ranks (vLLM's rank: the number of tokens at least as likely)."""
+    chosen = logprobs.gather(1, tokens[:, None])
+    ranks = (logprobs >= chosen).sum(dim=-1).tolist()
+    k_max = max(ks)
+    top_values, top_ids = logprobs.topk(k_max, dim=-1) if k_max else (logprobs[:, :0], logprobs[:, :0].long())
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    token_list, chosen_list = tokens.tolist(), chosen.squeeze(1).tolist()
+    return [TopLogprobs((token_list[j], *top_ids[j][:k]), (chosen_list[j], *top_values[j][:k]),
+                        (ranks[j], *range(1, k + 1)))
+            for j, k in enumerate(ks)]

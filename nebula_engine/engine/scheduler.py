@@ -143,7 +143,9 @@ class Scheduler:
         """Start ``seq`` after its longest cached prefix (its pages are shared, not recomputed)."""
         if self.prefix_cache is None:
             return
-        seq.num_computed_tokens = self.prefix_cache.match_prefix(seq.seq_id, seq.token_ids)
+        # prompt logprobs need every prompt token's hidden state: match nothing (vLLM skips the cache alike)
+        wanted = seq.token_ids[:1] if seq.sampling_params.prompt_logprobs is not None else seq.token_ids
+        seq.num_computed_tokens = self.prefix_cache.match_prefix(seq.seq_id, wanted)
         if seq.num_preemptions == 0:
             seq.num_prefix_cached_tokens = seq.num_computed_tokens
 

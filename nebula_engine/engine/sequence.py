@@ -30,7 +30,9 @@ class Sequence:
         self.num_pic_cached_tokens = 0  # prompt tokens taken from the PIC store (combine prefill)
         self.num_recomputed_tokens = 0  # of those, the ones the PIC backend recomputed
         self.status = SequenceStatus.WAITING
-        self.output_logprobs: list[float] = []
+        self.output_logprobs: list[float] = []  # each sampled token's
+        self.output_top_logprobs: list = []  # outputs.Logprob dicts per token, only when params.logprobs is set
+        self.prompt_logprobs: list | None = None  # outputs.PromptLogprobs, only when params.prompt_logprobs is set
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
@@ -42,9 +44,10 @@ class Sequence:
 
     @property
     def needs_combine(self) -> bool:
-        """Its prompt is prefilled by a PIC combine (not after a preemption: then everything is recomputed)."""
+        """Its prompt is prefilled by a PIC combine (not after a preemption: then everything is recomputed; nor
+        when it asks for prompt logprobs, which are those of the exact full prefill)."""
         return (self.pic_backend is not None and self.segmented is not None and self.num_preemptions == 0
-                and bool(self.segmented.pic_segments))
+                and bool(self.segmented.pic_segments) and self.sampling_params.prompt_logprobs is None)
 
     @property
     def num_cached_tokens(self) -> int:

@@ -62,20 +62,29 @@ class Tokenizer:
         prefix = self.prompt_prefix_ids
         return segment_prompt(text, self.encode_plain, prefix[0] if len(prefix) == 1 else None)
 
-    def segment_chat(self, messages: list[Message]):
-        """A conversation whose contents may carry ``<pic>`` tags -> ``SegmentedPrompt``."""
+    def segment_chat(self, messages: list[Message], tools: list[dict[str, Any]] | None = None):
+        """A conversation whose contents may carry ``<pic>`` tags -> ``SegmentedPrompt``; ``tools``: OpenAI
+        function definitions, rendered by the template (``apply_chat_template``)."""
         from nebula_engine.pic.segments import segment_chat
 
-        return segment_chat(messages, lambda m: self.apply_chat_template(m)[0], self.encode_plain)
+        return segment_chat(messages, lambda m: self.apply_chat_template(m, tools)[0], self.encode_plain)
+
+    @property
+    def chat_template(self) -> str | dict[str, str] | None:
+        """The Jinja template (or HF's named templates), None without one."""
+        return getattr(self.hf, "chat_template", None) or None
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[Message]) -> tuple[str, list[int]]:
-        """(prompt text, token ids) of a conversation, ending with the assistant's turn opener."""
-        if not getattr(self.hf, "chat_template", None):
+    def apply_chat_template(self, messages: list[Message], tools: list[dict[str, Any]] | None = None,
+                            add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+        """(prompt text, token ids) of a conversation, ending with the assistant's turn opener; ``tools`` is the
+        template's ``tools`` variable, as in Hugging Face's ``apply_chat_template(tools=...)``."""
+        if not self.chat_template:
             raise ValueError("this model's tokenizer has no chat template; use generate() with plain prompts")
-        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = self.hf.apply_chat_template(messages, tools=tools, tokenize=False,
+                                           add_generation_prompt=add_generation_prompt)
         # the template already carries BOS and role markers
         return text, self.encode_plain(text)
 

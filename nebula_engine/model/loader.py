@@ -18,12 +18,17 @@ from nebula_engine.model.registry import get_model_class
 _HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.tiktoken", "*.model", "*.txt"]
 
 
-def resolve_checkpoint(model: str) -> Path:
-    """Where ``model``'s weights are: a ``.gguf`` file, a checkpoint directory, or a hub id's snapshot.
+def resolve_checkpoint(model: str, revision: str | None = None) -> Path:
+    """Where ``model``'s weights are: a ``.gguf`` file, a checkpoint directory, or a hub id's snapshot (at
+    ``revision``: a branch, tag or commit; None = the default branch).
 
-    A directory without ``config.json`` that holds exactly one ``.gguf`` file means that file.
+    A directory without ``config.json`` that holds exactly one ``.gguf`` file means that file. A local path has
+    no revisions: asking for one is a ValueError rather than a silently ignored pin.
     """
     path = Path(model).expanduser()
+    if revision is not None and path.exists():
+        raise ValueError(f"revision={revision!r} names a Hugging Face hub revision, but {model!r} is a local path "
+                         "(it has no revisions): drop revision or give a hub id")
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"{path} is a file but not a .gguf; give a checkpoint directory or a .gguf file")
@@ -35,7 +40,8 @@ def resolve_checkpoint(model: str) -> Path:
 
     offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
     try:
-        return Path(snapshot_download(repo_id=model, allow_patterns=_HUB_FILES, local_files_only=offline))
+        return Path(snapshot_download(repo_id=model, allow_patterns=_HUB_FILES, local_files_only=offline,
+                                      revision=revision))
     except LocalEntryNotFoundError as exc:
         hint = "HF_HUB_OFFLINE is set and it is not in the local cache" if offline else "it could not be fetched"
         raise FileNotFoundError(f"{model!r} is not a local directory and {hint}: {exc}") from exc
@@ -100,12 +106,12 @@ def build_model(config: ModelConfig, dtype: torch.dtype = torch.float32,
 
 
 def load_model(model: str, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu") -> tuple[nn.Module, ModelConfig, Path]:
-    """Resolve ``model`` (dir, .gguf file or hub id), build it and load its weights.
+               device: str | torch.device = "cpu", revision: str | None = None) -> tuple[nn.Module, ModelConfig, Path]:
+    """Resolve ``model`` (dir, .gguf file or hub id at ``revision``), build it and load its weights.
 
     Returns (module, config, source): the checkpoint directory or the .gguf file, where its tokenizer is too.
     """
-    source = resolve_checkpoint(model)
+    source = resolve_checkpoint(model, revision)
     if source.suffix == ".gguf" and source.is_file():
         from nebula_engine.model.gguf_loader import GGUFCheckpoint
 

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API over any ``EngineClient``: ``build_app(client, model_name, api_key=...)``.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both stream with ``"stream": true``),
-``GET /v1/models``, ``GET /health``, ``GET /metrics``. With an API key every ``/v1`` route needs it
+``GET /v1/models``, ``GET /v1/models/{id}``, vLLM's ``POST /tokenize`` and ``POST /detokenize``, ``GET /health``,
+``GET /metrics``. With an API key every ``/v1`` route and the two tokenizer routes need it
 (``guards.APIKeyGuard``); a body over ``max_request_bytes`` is a 413 before it is parsed (``guards.BodySizeLimit``).
 
 A request is validated and tokenized (in a worker thread: a long prompt must not stall the event loop, which
@@ -19,7 +20,7 @@ import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -30,29 +31,41 @@ from nebula_engine.engine.outputs import RequestOutput
 from nebula_engine.server.engine_client import EngineClient, EngineDeadError, EngineError
 from nebula_engine.server.errors import INTERNAL_ERROR, APIError, from_validation_errors
 from nebula_engine.server.guards import APIKeyGuard, BodySizeLimit
-from nebula_engine.server.inputs import EngineInput, chat_input, completion_input
+from nebula_engine.server.inputs import EngineInput, OutputSettings, chat_input, completion_input
 from nebula_engine.server.limits import DEFAULT_MAX_REQUEST_BYTES
 from nebula_engine.server.metrics import ServerMetrics
-from nebula_engine.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from nebula_engine.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                           DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
+                                           TokenizeResponse)
 from nebula_engine.server.responses import (ChatCompletionStream, CompletionStream, chat_response,
                                             completion_response)
+from nebula_engine.server.tokenize import detokenize_request, tokenize_request
+from nebula_engine.server.tool_parsers import parser_for_template, tool_parser
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}  # path -> metric label
 
 
 def build_app(client: EngineClient, model_name: str, *, api_key: str | None = None,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, tool_call_parser: str | None = None,
+              disable_any_whitespace: bool = False) -> FastAPI:
     """The app; ``app.state.metrics`` is its ``ServerMetrics`` (``register`` more collectors there).
 
-    ``api_key``: when given, every ``/v1`` route needs ``Authorization: Bearer <api_key>`` (401 otherwise);
-    ``/health``, ``/metrics`` and routes added outside ``/v1`` stay open. ``max_request_bytes``: a larger request
+    ``tool_call_parser``: the format of tool calls in the model's output (``tool_parsers.TOOL_PARSERS``); None:
+    recognised from the model's chat template. ``disable_any_whitespace``: constrained JSON outputs
+    (``response_format``, forced tool calls) are compact (vLLM's structured-outputs option).
+
+    ``api_key``: when given, every ``/v1`` route, ``/tokenize`` and ``/detokenize`` need ``Authorization: Bearer
+    <api_key>`` (401 otherwise); ``/health``, ``/metrics`` and other routes added outside ``/v1`` stay open. ``max_request_bytes``: a larger request
     body is a 413."""
     app = FastAPI(title="nebula-engine", docs_url=None, redoc_url=None)
     metrics = ServerMetrics(client.stats)
     app.state.metrics = metrics
     server = _Server(client, model_name, metrics)
+    parser = tool_parser(tool_call_parser) if tool_call_parser else parser_for_template(client.tokenizer.chat_template)
+    settings = OutputSettings(parser, disable_any_whitespace)
     _add_error_handlers(app, metrics)
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
     if api_key is not None:
@@ -67,6 +80,13 @@ def build_app(client: EngineClient, model_name: str, *, api_key: str | None = No
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=model_name, max_model_len=client.max_model_len)])
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> ModelCard:
+        if model_id != model_name:
+            raise APIError(f"model {model_id!r} does not exist; this server serves {model_name!r}", status=404,
+                           param="model", code="model_not_found")
+        return ModelCard(id=model_name, max_model_len=client.max_model_len)
+
     @app.get("/metrics")
     async def scrape() -> Response:
         body, content_type = metrics.render()
@@ -74,13 +94,23 @@ def build_app(client: EngineClient, model_name: str, *, api_key: str | None = No
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
-        return await server.serve(raw, body, "completions", "cmpl", "prompt",
-                                  lambda: completion_input(body, client.tokenizer, client.max_model_len))
+        return await server.serve(raw, body, "completions", "cmpl",
+                                  lambda: completion_input(body, client.tokenizer, client.max_model_len, settings))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
-        return await server.serve(raw, body, "chat_completions", "chatcmpl", "messages",
-                                  lambda: chat_input(body, client.tokenizer, client.max_model_len))
+        return await server.serve(raw, body, "chat_completions", "chatcmpl",
+                                  lambda: chat_input(body, client.tokenizer, client.max_model_len, settings))
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        server.check_model(body.model)
+        return await server.in_worker(lambda: tokenize_request(body, client.tokenizer, client.max_model_len))
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        server.check_model(body.model)
+        return await server.in_worker(lambda: detokenize_request(body, client.tokenizer))
 
     return app
 
@@ -91,30 +121,54 @@ class _Server:
         # one thread, as vLLM's tokenizer executor: requests are tokenized in arrival order, never concurrently
         self._tokenize = ThreadPoolExecutor(1, thread_name_prefix="nebula-tokenize")
 
+    async def in_worker(self, work: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize, work)
+
     async def serve(self, raw: Request, body: CompletionRequest | ChatCompletionRequest, endpoint: str,
-                    id_prefix: str, prompt_param: str, make_input: Callable[[], EngineInput]) -> Response:
+                    id_prefix: str, make_input: Callable[[], EngineInput]) -> Response:
         arrival = time.perf_counter()
-        if body.model != self.model_name:
-            raise APIError(f"model {body.model!r} does not exist; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found")
-        engine_input = await asyncio.get_running_loop().run_in_executor(self._tokenize, make_input)
+        self.check_model(body.model)
+        engine_input = await self.in_worker(make_input)
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        request_ids = [request_id] if len(engine_input.prompts) == 1 else \
+            [f"{request_id}-{i}" for i in range(len(engine_input.prompts))]  # a completions batch: one per prompt
         route = {"route": engine_input.route} if engine_input.route is not None else {}
-        stream = self.client.generate(request_id, engine_input.prompt, engine_input.params, engine_input.pic_backend,
-                                      **route)
-        first = await self._first_output(stream)
-        self.metrics.on_first_output(first, time.perf_counter() - arrival)
+        streams = [self.client.generate(rid, prompt, engine_input.params, engine_input.pic_backend, **route)
+                   for rid, prompt in zip(request_ids, engine_input.prompts)]
+        firsts = await self._first_outputs(streams, request_ids)
+        for first in firsts:
+            self.metrics.on_first_output(first, time.perf_counter() - arrival)
+        n, form = engine_input.params.n, engine_input.form
         if body.stream:
             stream_format = (CompletionStream if endpoint == "completions" else ChatCompletionStream)(
-                request_id, self.model_name, engine_input.params.stop, body.include_usage_in_stream)
-            events = self._events(stream_format, first, stream, request_id, endpoint)
+                request_id, self.model_name, form, body.include_usage_in_stream, n, len(streams))
+            events = self._events(stream_format, firsts, streams, request_ids, endpoint)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        final = await self._last_output_unless_disconnected(raw, first, stream, endpoint)
-        if final is None:
+        finals = await self._last_outputs_unless_disconnected(raw, firsts, streams, request_ids, endpoint)
+        if finals is None:
             return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
-        self.metrics.on_request_end(endpoint, "ok", final)
-        render = completion_response if endpoint == "completions" else chat_response
-        return JSONResponse(render(request_id, self.model_name, final).model_dump())
+        self.metrics.on_request_end(endpoint, "ok", finals)
+        if endpoint == "completions":
+            response = completion_response(request_id, self.model_name, finals, form)
+        else:
+            response = chat_response(request_id, self.model_name, finals[0], form)
+        return JSONResponse(response.model_dump())
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(f"model {model!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    async def _first_outputs(self, streams: list[AsyncIterator[RequestOutput]],
+                             request_ids: list[str]) -> list[RequestOutput]:
+        """Each stream's first output, so that every invalid request is a 400; on any failure all are aborted."""
+        try:
+            return [await self._first_output(stream) for stream in streams]
+        except BaseException:
+            for stream, request_id in zip(streams, request_ids):
+                self.client.abort(request_id)
+                await stream.aclose()
+            raise
 
     @staticmethod
     async def _first_output(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
@@ -125,19 +179,18 @@ class _Server:
         except EngineError as exc:
             raise _engine_failure(exc) from exc
 
-    async def _events(self, stream_format: CompletionStream, first: RequestOutput,
-                      stream: AsyncIterator[RequestOutput], request_id: str, endpoint: str) -> AsyncIterator[str]:
-        output, status = first, "aborted"  # unless we reach the end: the client left and cancelled us
+    async def _events(self, stream_format: CompletionStream, firsts: list[RequestOutput],
+                      streams: list[AsyncIterator[RequestOutput]], request_ids: list[str],
+                      endpoint: str) -> AsyncIterator[str]:
+        finals, status = list(firsts), "aborted"  # unless we reach the end: the client left and cancelled us
         try:
             for event in stream_format.opening():
                 yield event
-            while True:
-                for event in stream_format.events(output):
+            async for prompt_index, output in _merged(firsts, streams):
+                finals[prompt_index] = output
+                for event in stream_format.events(output, prompt_index):
                     yield event
-                if output.finished:
-                    break
-                output = await anext(stream)
-            for event in stream_format.closing(output):
+            for event in stream_format.closing(finals):
                 yield event
             status = "ok"
         except EngineError as exc:
@@ -149,29 +202,58 @@ class _Server:
             yield _internal_error(exc).sse_event()
             yield "data: [DONE]\n\n"
         finally:
-            self.client.abort(request_id)  # no-op once finished; a sync call, safe inside a cancelled scope
-            self.metrics.on_request_end(endpoint, status, output)
+            for request_id in request_ids:
+                self.client.abort(request_id)  # no-op once finished; a sync call, safe inside a cancelled scope
+            self.metrics.on_request_end(endpoint, status, finals)
 
-    async def _last_output_unless_disconnected(self, raw: Request, first: RequestOutput,
-                                               stream: AsyncIterator[RequestOutput],
-                                               endpoint: str) -> RequestOutput | None:
-        """The finished output, or None (request aborted) if the client disconnects first."""
-        if first.finished:
-            return first
-        collect = asyncio.ensure_future(_last_output(first, stream))
+    async def _last_outputs_unless_disconnected(self, raw: Request, firsts: list[RequestOutput],
+                                                streams: list[AsyncIterator[RequestOutput]], request_ids: list[str],
+                                                endpoint: str) -> list[RequestOutput] | None:
+        """The finished outputs, or None (requests aborted) if the client disconnects first."""
+        if all(first.finished for first in firsts):
+            return firsts
+        collect = asyncio.ensure_future(asyncio.gather(*(_last_output(f, s) for f, s in zip(firsts, streams))))
         disconnect = asyncio.ensure_future(_wait_for_disconnect(raw))
         try:
             await asyncio.wait((collect, disconnect), return_when=asyncio.FIRST_COMPLETED)
         finally:
             disconnect.cancel()
-            collect.cancel()  # no-op when done; otherwise the generator's cleanup aborts the request
+            collect.cancel()  # no-op when done; otherwise the generators' cleanup aborts the requests
         if not collect.done() or collect.cancelled():
+            for request_id in request_ids:
+                self.client.abort(request_id)
             self.metrics.on_request_end(endpoint, "aborted")
             return None
         try:
             return collect.result()
         except EngineError as exc:
+            for request_id in request_ids:
+                self.client.abort(request_id)
             raise _engine_failure(exc) from exc
+
+
+async def _merged(firsts: list[RequestOutput], streams: list[AsyncIterator[RequestOutput]]
+                  ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from every stream as each arrives, starting with the first outputs."""
+    pending: dict[int, asyncio.Future] = {}
+    try:
+        for index, first in enumerate(firsts):
+            yield index, first
+            if not first.finished:
+                pending[index] = asyncio.ensure_future(anext(streams[index]))
+        while pending:
+            await asyncio.wait(pending.values(), return_when=asyncio.FIRST_COMPLETED)
+            for index, task in sorted(pending.items()):
+                if not task.done():
+                    continue
+                output = task.result()
+                del pending[index]
+                yield index, output
+                if not output.finished:
+                    pending[index] = asyncio.ensure_future(anext(streams[index]))
+    finally:
+        for task in pending.values():
+            task.cancel()
 
 
 async def _last_output(output: RequestOutput, stream: AsyncIterator[RequestOutput]) -> RequestOutput:

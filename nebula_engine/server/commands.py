@@ -9,6 +9,7 @@ import click
 
 from nebula_engine.cli_types import DEVICE
 from nebula_engine.server.limits import DEFAULT_MAX_REQUEST_BYTES
+from nebula_engine.server.tool_parsers import TOOL_PARSERS
 
 
 @click.command()
@@ -54,6 +55,10 @@ from nebula_engine.server.limits import DEFAULT_MAX_REQUEST_BYTES
                    "visible to every local user.")
 @click.option("--max-request-bytes", type=click.IntRange(min=1), default=DEFAULT_MAX_REQUEST_BYTES, show_default=True,
               help="A larger request body is refused with 413 before it is parsed (every peer of a cluster).")
+@click.option("--tool-call-parser", type=click.Choice(sorted(TOOL_PARSERS)),
+              help="Format of tool calls in the model's output (default: recognised from its chat template).")
+@click.option("--structured-outputs-disable-any-whitespace", "disable_any_whitespace", is_flag=True,
+              help="Constrained JSON (response_format, forced tool calls) without free whitespace (vLLM's option).")
 @click.option("--cluster-secret", envvar="NEBULA_CLUSTER_SECRET", show_envvar=True,
               help="Secret shared by a cluster's peers (>= 16 characters); required when they span machines. "
                    "Prefer the variable or --cluster-secret-file: `ps` shows command lines. A local cluster "
@@ -70,7 +75,7 @@ from nebula_engine.server.limits import DEFAULT_MAX_REQUEST_BYTES
 @click.option("--etcd-key", type=click.Path(dir_okay=False, exists=True), help="Key of --etcd-cert.")
 @click.option("--etcd-user", help="etcd user (its password in $NEBULA_ETCD_PASSWORD).")
 def serve(model, served_model_name, host, port, log_level, prefill_workers, decode_workers, policy, cluster_file,
-          name, role, etcd, api_key, max_request_bytes, **options):
+          name, role, etcd, api_key, max_request_bytes, tool_call_parser, disable_any_whitespace, **options):
     """Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics.
 
     One engine by default; --prefill-workers N starts a whole local cluster (one process per peer, no external
@@ -80,6 +85,9 @@ def serve(model, served_model_name, host, port, log_level, prefill_workers, deco
     cluster_options = {key: options.pop(key) for key in CLUSTER_OPTIONS}
     engine_options = options
     if cluster_file is not None or prefill_workers is not None:
+        if tool_call_parser is not None or disable_any_whitespace:
+            raise click.UsageError("--tool-call-parser and --structured-outputs-disable-any-whitespace are for one "
+                                   "engine (a cluster recognises the tool-call format from the chat template)")
         settings = _peer_settings(api_key, max_request_bytes, **cluster_options)
         _serve_cluster(model, served_model_name, host, port, log_level, prefill_workers, decode_workers, policy,
                        cluster_file, name, role, etcd, engine_options, settings)
@@ -92,7 +100,8 @@ def serve(model, served_model_name, host, port, log_level, prefill_workers, deco
     _check_listen([(host, port, "--port")])
     engine = _start_engine(model, engine_options)
     name = served_model_name or model or DEFAULT_MODEL
-    app = build_app(engine, name, api_key=api_key, max_request_bytes=max_request_bytes)
+    app = build_app(engine, name, api_key=api_key, max_request_bytes=max_request_bytes,
+                    tool_call_parser=tool_call_parser, disable_any_whitespace=disable_any_whitespace)
     click.echo(f"serving {name!r} (max_model_len {engine.max_model_len}) on http://{host}:{port}", err=True)
     try:
         uvicorn.run(app, host=host, port=port, log_level=log_level)

@@ -1,4 +1,4 @@
-"""ASGI guards in front of the API: the API key on ``/v1/*`` and the request-body size limit.
+"""ASGI guards in front of the API: the API key on ``/v1/*``, ``/tokenize`` and ``/detokenize``, and the request-body size limit.
 
 Both answer before the body is parsed (the key check before a byte of it is read), with OpenAI-shaped errors.
 """
@@ -18,10 +18,11 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 API_PREFIX = "/v1"  # what the key guards; /health and /metrics stay open for probes and scrapers
+GUARDED_ROOT_ROUTES = ("/tokenize", "/detokenize")  # vLLM's paths, outside /v1: model work, so guarded too
 
 
 class APIKeyGuard:
-    """Every ``/v1`` request needs ``Authorization: Bearer <key>`` (vLLM's ``--api-key``), else a 401.
+    """Every ``/v1`` request (and ``/tokenize``, ``/detokenize``) needs ``Authorization: Bearer <key>`` (vLLM's ``--api-key``), else a 401.
 
     Keys are compared as SHA-256 digests with ``hmac.compare_digest``: constant time, whatever their lengths."""
 
@@ -95,7 +96,7 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 
 
 def _guarded(path: str) -> bool:
-    return path == API_PREFIX or path.startswith(API_PREFIX + "/")
+    return path == API_PREFIX or path.startswith(API_PREFIX + "/") or path in GUARDED_ROOT_ROUTES
 
 
 def _digest(secret: bytes) -> bytes:

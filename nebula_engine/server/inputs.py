@@ -1,66 +1,173 @@
-"""Request body -> what the engine runs: prompt (token ids or ``SegmentedPrompt``), ``SamplingParams``, PIC backend.
+"""Request body -> what the engine runs: prompts (token ids or ``SegmentedPrompt``s), ``SamplingParams``, PIC
+backend, and how the outputs become choices.
 
 Text prompts and chat messages always go through ``<pic>`` segmentation (untagged text is one regular
-segment, so the ids equal plain tokenization); token-id prompts are taken as they are. Every problem is an
-``APIError`` (400) naming the offending field.
+segment, so the ids equal plain tokenization); token-id prompts are taken as they are. Chat messages of every
+kind (tool results included) are rendered by the model's chat template with the request's ``tools``. A forced
+``tool_choice`` (``required`` or a named function) and ``response_format`` constrain the output with the
+engine's structured outputs (a JSON schema, as vLLM does). Every problem is an ``APIError`` (400) naming the
+offending field.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
+
+from jinja2 import TemplateError
 
 from nebula_engine.engine.sampling_params import SamplingParams
 from nebula_engine.engine.tokenizer import Tokenizer
 from nebula_engine.pic.segments import PICSyntaxError, SegmentedPrompt, segment_token_lists
+from nebula_engine.server.chat_messages import template_messages, template_tools
 from nebula_engine.server.engine_client import DEFAULT_BACKEND, EnginePrompt
 from nebula_engine.server.errors import APIError
-from nebula_engine.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from nebula_engine.server.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice, SamplingFields
+from nebula_engine.server.responses import ChoiceFormat
+from nebula_engine.server.tool_parsers import NamedToolOutput, RequiredToolsOutput, ToolParser
+
+
+@dataclass(frozen=True)
+class OutputSettings:
+    """Server-wide choices about outputs."""
+
+    tool_parser: ToolParser | None = None  # the served model's tool-call format (None: it has none)
+    # vLLM's structured-outputs option: constrained JSON (response_format, forced tool calls) has no free
+    # whitespace between tokens, so a weak model cannot wander in whitespace until max_tokens
+    disable_any_whitespace: bool = False
 
 
 @dataclass(frozen=True)
 class EngineInput:
-    prompt: EnginePrompt
+    prompts: tuple[EnginePrompt, ...]  # one engine request each (a completions batch); each gives n choices
     params: SamplingParams
     pic_backend: object  # a backend spec, None (PIC off), or DEFAULT_BACKEND (the engine's)
     route: str | None = None  # cluster: the prefill peer that must run the combine
+    form: ChoiceFormat = field(default_factory=ChoiceFormat)
 
 
-def completion_input(request: CompletionRequest, tokenizer: Tokenizer, max_model_len: int) -> EngineInput:
-    prompt = _completion_prompt(request, tokenizer)
-    return _engine_input(request, prompt, "prompt", request.max_tokens, max_model_len)
+def completion_input(request: CompletionRequest, tokenizer: Tokenizer, max_model_len: int,
+                     settings: OutputSettings = OutputSettings()) -> EngineInput:
+    prompts = _completion_prompts(request, tokenizer)
+    return _engine_input(request, prompts, "prompt", request.max_tokens, max_model_len, tokenizer,
+                         logprobs=request.logprobs, structured=_structured(request, settings))
 
 
-def chat_input(request: ChatCompletionRequest, tokenizer: Tokenizer, max_model_len: int) -> EngineInput:
-    messages = [{"role": m.role, "content": m.content} for m in request.messages]
+def chat_input(request: ChatCompletionRequest, tokenizer: Tokenizer, max_model_len: int,
+               settings: OutputSettings = OutputSettings()) -> EngineInput:
+    choice_parser, structured = _tool_choice(request, settings)
     try:
-        prompt = tokenizer.segment_chat(messages)
+        prompt = tokenizer.segment_chat(template_messages(request.messages), template_tools(request.tools))
     except PICSyntaxError as exc:
         raise APIError(f"bad <pic> markup: {exc}", param="messages", code="invalid_pic_tags") from exc
     except ValueError as exc:  # no chat template, or one that mangles PIC placeholders
         raise APIError(str(exc), param="messages") from exc
-    return _engine_input(request, prompt, "messages", request.max_output_tokens, max_model_len)
+    except TemplateError as exc:  # the template's own checks (raise_exception): roles out of order, ...
+        raise APIError(f"the chat template refused the messages: {exc}", param="messages") from exc
+    logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    return _engine_input(request, [prompt], "messages", request.max_output_tokens, max_model_len, tokenizer,
+                         logprobs=logprobs, structured=structured or _structured(request, settings),
+                         tool_parser=choice_parser)
 
 
-def _completion_prompt(request: CompletionRequest, tokenizer: Tokenizer) -> EnginePrompt:
+def _tool_choice(request: ChatCompletionRequest, settings: OutputSettings
+                 ) -> tuple[ToolParser | None, dict[str, Any] | None]:
+    """(how the output is read, the constraint it is held to) for the request's ``tool_choice``."""
+    choice = request.effective_tool_choice
+    if choice == "none":
+        return None, None
+    if choice == "auto":
+        if settings.tool_parser is None:
+            raise APIError('tool_choice "auto" needs a tool call parser, and this model\'s chat template renders no '
+                           'tool calls of a known format; start the server with --tool-call-parser, or use '
+                           'tool_choice "required" or a named function', param="tool_choice")
+        return settings.tool_parser, None
+    compact = {"disable_any_whitespace": True} if settings.disable_any_whitespace else {}
+    tools = {tool.function.name: tool.function.parameters or {"type": "object"} for tool in request.tools}
+    if isinstance(choice, NamedToolChoice):
+        return NamedToolOutput(choice.function.name), {"json": tools[choice.function.name], **compact}
+    call = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, "parameters": schema},
+             "required": ["name", "parameters"]} for name, schema in tools.items()]
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": call}}
+    if not request.parallel_tool_calls:
+        schema["maxItems"] = 1
+    return RequiredToolsOutput(), {"json": schema, **compact}
+
+
+def _structured(request: SamplingFields, settings: OutputSettings) -> dict[str, Any] | None:
+    """The request's own constraint (``StructuredOutputsParams`` keywords): vLLM's ``structured_outputs``, or
+    OpenAI's ``response_format``; None for free text."""
+    compact = {"disable_any_whitespace": True} if settings.disable_any_whitespace else {}
+    if request.structured_outputs is not None:
+        return {**compact, **request.structured_outputs.engine_kwargs()}
+    response_format = request.response_format
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return {"json_object": True, **compact}
+    return {"json": response_format.json_schema.schema_ or {"type": "object"}, **compact}
+
+
+def _completion_prompts(request: CompletionRequest, tokenizer: Tokenizer) -> list[EnginePrompt]:
     if request.segments is not None:
         try:
-            return segment_token_lists((s.kind, s.token_ids) for s in request.segments)
+            return [segment_token_lists((s.kind, s.token_ids) for s in request.segments)]
         except ValueError as exc:
             raise APIError(str(exc), param="segments") from exc
-    prompt = request.prompt
-    if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
-        return list(prompt)
-    text = prompt[0] if isinstance(prompt, list) else prompt
+    prompts = []
+    for prompt in request.prompts:
+        if isinstance(prompt, list):
+            prompts.append(list(prompt))
+            continue
+        try:
+            prompts.append(tokenizer.segment_prompt(prompt))
+        except PICSyntaxError as exc:
+            raise APIError(f"bad <pic> markup: {exc}", param="prompt", code="invalid_pic_tags") from exc
+        except ValueError as exc:
+            raise APIError(str(exc), param="prompt") from exc
+    if not prompts:
+        raise APIError("the prompt list is empty", param="prompt")
+    return prompts
+
+
+def _engine_input(request: SamplingFields, prompts: list[EnginePrompt], prompt_param: str, max_tokens: int | None,
+                  max_model_len: int, tokenizer: Tokenizer, *, logprobs: int | None,
+                  structured: dict[str, Any] | None, tool_parser: ToolParser | None = None) -> EngineInput:
+    longest = max(_check_length(p, prompt_param, max_tokens, max_model_len) for p in prompts)
+    _check_logit_bias(request, tokenizer)
+    options = _sampling_options(request, logprobs, structured, tool_parser)
     try:
-        return tokenizer.segment_prompt(text)
-    except PICSyntaxError as exc:
-        raise APIError(f"bad <pic> markup: {exc}", param="prompt", code="invalid_pic_tags") from exc
+        params = SamplingParams(max_tokens=max_tokens if max_tokens is not None else max_model_len - longest,
+                                **options)
     except ValueError as exc:
-        raise APIError(str(exc), param="prompt") from exc
+        raise APIError(str(exc)) from exc
+    backend = request.pic_backend if "pic_backend" in request.model_fields_set else DEFAULT_BACKEND
+    form = ChoiceFormat(params.stop, logprobs, tool_parser, lambda token_id: tokenizer.decode([token_id], False))
+    return EngineInput(tuple(prompts), params, backend, request.prefill_peer, form)
 
 
-def _engine_input(request: SamplingFields, prompt: EnginePrompt, prompt_param: str, max_tokens: int | None,
-                  max_model_len: int) -> EngineInput:
+def _sampling_options(request: SamplingFields, logprobs: int | None, structured: dict[str, Any] | None,
+                      tool_parser: ToolParser | None) -> dict[str, Any]:
+    options = dict(n=request.n, temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
+                   min_p=request.min_p, seed=request.seed, stop=request.stop, stop_token_ids=request.stop_token_ids,
+                   ignore_eos=request.ignore_eos, presence_penalty=request.presence_penalty,
+                   frequency_penalty=request.frequency_penalty, repetition_penalty=request.repetition_penalty,
+                   min_tokens=request.min_tokens, logit_bias=request.token_logit_bias, logprobs=logprobs,
+                   prompt_logprobs=request.prompt_logprobs)
+    if tool_parser is not None and tool_parser.keeps_special_tokens:
+        options["skip_special_tokens"] = False  # its markers are special tokens
+    if structured is not None:
+        from nebula_engine.engine.structured_outputs import StructuredOutputsParams
+
+        try:
+            options["structured_outputs"] = StructuredOutputsParams(**structured)
+        except ValueError as exc:
+            param = "structured_outputs" if request.structured_outputs is not None else "response_format"
+            raise APIError(str(exc), param=param) from exc
+    return options
+
+
+def _check_length(prompt: EnginePrompt, prompt_param: str, max_tokens: int | None, max_model_len: int) -> int:
     num_prompt = len(prompt.token_ids) if isinstance(prompt, SegmentedPrompt) else len(prompt)
     if num_prompt == 0:
         raise APIError(f"the {prompt_param} is empty: it must hold at least one token", param=prompt_param)
@@ -72,12 +179,12 @@ def _engine_input(request: SamplingFields, prompt: EnginePrompt, prompt_param: s
         raise APIError(f"this model's maximum context length is {max_model_len} tokens, but {num_prompt + max_tokens}"
                        f" were requested ({num_prompt} in the {prompt_param}, {max_tokens} for the completion)",
                        param="max_tokens", code="context_length_exceeded")
-    try:
-        params = SamplingParams(
-            max_tokens=max_tokens if max_tokens is not None else max_model_len - num_prompt,
-            temperature=request.temperature, top_p=request.top_p, top_k=request.top_k, seed=request.seed,
-            stop=request.stop, stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos)
-    except ValueError as exc:
-        raise APIError(str(exc)) from exc
-    backend = request.pic_backend if "pic_backend" in request.model_fields_set else DEFAULT_BACKEND
-    return EngineInput(prompt, params, backend, request.prefill_peer)
+    return num_prompt
+
+
+def _check_logit_bias(request: SamplingFields, tokenizer: Tokenizer) -> None:
+    vocab_size = len(tokenizer.hf)
+    outside = sorted(t for t in request.token_logit_bias or {} if t >= vocab_size)
+    if outside:
+        raise APIError(f"logit_bias names token ids outside the vocabulary (size {vocab_size}): {outside[:8]}",
+                       param="logit_bias")

@@ -8,7 +8,7 @@ with ``ServerMetrics.register(collector)``.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
@@ -64,12 +64,12 @@ class ServerMetrics:
         self.cached_prompt_tokens.labels("pic").inc(output.num_pic_cached_tokens)
         self.recomputed_prompt_tokens.inc(output.num_recomputed_tokens)
 
-    def on_request_end(self, endpoint: str, status: str, last_output: RequestOutput | None = None) -> None:
+    def on_request_end(self, endpoint: str, status: str, last_outputs: Sequence[RequestOutput] = ()) -> None:
+        """``last_outputs``: the last output of each prompt of the request (a completions batch has several)."""
         if status not in REQUEST_STATUSES:
             raise ValueError(f"request status must be one of {REQUEST_STATUSES}, got {status!r}")
         self.requests.labels(endpoint, status).inc()
-        if last_output is not None:
-            self.generation_tokens.inc(len(last_output.outputs[0].token_ids))
+        self.generation_tokens.inc(sum(len(c.token_ids) for output in last_outputs for c in output.outputs))
 
     def render(self) -> tuple[bytes, str]:
         """(body, content type) of a scrape."""

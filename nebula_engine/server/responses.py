@@ -1,61 +1,129 @@
-"""``RequestOutput`` -> OpenAI response bodies and server-sent-event chunks.
+"""``RequestOutput``s -> OpenAI response bodies and server-sent-event chunks.
 
-Engine outputs are cumulative; streams send text deltas. While a request may still stop on a stop string,
-the last ``len(longest stop) - 1`` characters are held back: the engine truncates the text before a stop
-string once it completes, so sending them early could emit text the final answer does not contain.
+A request's choices are every completion of every prompt: choice ``prompt_index * n + output.index``, as vLLM
+numbers them. Engine outputs are cumulative; streams send deltas. While a completion may still stop on a stop
+string, the last ``len(longest stop) - 1`` characters are held back: the engine truncates the text before a stop
+string once it completes, so sending them early could emit text the final answer does not contain. With a tool
+parser, chat content is split into content and ``tool_calls`` (``tool_parsers``), streamed as OpenAI streams
+them: per call a chunk with its ``index``, ``id``, ``type`` and name (empty arguments), then its arguments.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
 
-from nebula_engine.engine.outputs import RequestOutput
-from nebula_engine.server.protocol import (ChatChoice, ChatCompletionResponse, ChatMessageOut, CompletionChoice,
-                                           CompletionResponse, NebulaUsage, PromptTokensDetails, Usage)
+from nebula_engine.engine.outputs import CompletionOutput, RequestOutput
+from nebula_engine.server.logprobs import TokenText, chat_logprobs, completion_logprobs, prompt_logprobs
+from nebula_engine.server.protocol import (ChatChoice, ChatCompletionResponse, ChatLogprobs, ChatMessageOut,
+                                           CompletionChoice, CompletionResponse, NebulaUsage, PromptTokensDetails,
+                                           ToolCallOut, Usage)
+from nebula_engine.server.tool_parsers import ParsedCall, ToolParser
+from nebula_engine.server.tool_streaming import ToolCallDeltas
 
 DONE_EVENT = "data: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class ChoiceFormat:
+    """How a request's completions become choices."""
+
+    stop: tuple[str, ...] = ()
+    top_logprobs: int | None = None  # None: no logprobs; k: each token's logprob and the k most likely
+    tool_parser: ToolParser | None = None
+    token_text: TokenText = str  # a token id -> its text (for logprobs)
 
 
 def sse_event(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-def usage(output: RequestOutput) -> Usage:
-    num_prompt, num_completion = len(output.prompt_token_ids), len(output.outputs[0].token_ids)
+def usage(outputs: RequestOutput | Sequence[RequestOutput]) -> Usage:
+    """Totals over every prompt of the request and every completion of each."""
+    outputs = [outputs] if isinstance(outputs, RequestOutput) else outputs
+    num_prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    num_completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     return Usage(prompt_tokens=num_prompt, completion_tokens=num_completion, total_tokens=num_prompt + num_completion,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=output.num_cached_tokens),
-                 nebula=NebulaUsage(prefix_cached_tokens=output.num_prefix_cached_tokens,
-                                    pic_cached_tokens=output.num_pic_cached_tokens,
-                                    recomputed_tokens=output.num_recomputed_tokens))
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(o.num_cached_tokens for o in outputs)),
+                 nebula=NebulaUsage(prefix_cached_tokens=sum(o.num_prefix_cached_tokens for o in outputs),
+                                    pic_cached_tokens=sum(o.num_pic_cached_tokens for o in outputs),
+                                    recomputed_tokens=sum(o.num_recomputed_tokens for o in outputs)))
 
 
-def completion_response(response_id: str, model: str, output: RequestOutput) -> CompletionResponse:
-    completion = output.outputs[0]
-    return CompletionResponse(id=response_id, model=model, usage=usage(output),
-                              choices=[CompletionChoice(text=completion.text, finish_reason=completion.finish_reason)])
+def choice_index(prompt_index: int, n: int, completion: CompletionOutput) -> int:
+    return prompt_index * n + completion.index
 
 
-def chat_response(response_id: str, model: str, output: RequestOutput) -> ChatCompletionResponse:
-    completion = output.outputs[0]
-    return ChatCompletionResponse(id=response_id, model=model, usage=usage(output),
-                                  choices=[ChatChoice(message=ChatMessageOut(content=completion.text),
-                                                      finish_reason=completion.finish_reason)])
+def completion_response(response_id: str, model: str, finals: Sequence[RequestOutput],
+                        form: ChoiceFormat) -> CompletionResponse:
+    choices = []
+    for prompt_index, final in enumerate(finals):
+        for completion in final.outputs:
+            logprobs = None if form.top_logprobs is None else completion_logprobs(
+                completion.token_ids, completion.logprobs, form.top_logprobs, form.token_text, 0)
+            choices.append(CompletionChoice(index=choice_index(prompt_index, len(final.outputs), completion),
+                                            text=completion.text, logprobs=logprobs,
+                                            finish_reason=completion.finish_reason,
+                                            stop_reason=completion.stop_reason,
+                                            prompt_logprobs=prompt_logprobs(final.prompt_logprobs)))
+    return CompletionResponse(id=response_id, model=model, usage=usage(finals), choices=choices)
+
+
+def chat_response(response_id: str, model: str, final: RequestOutput, form: ChoiceFormat) -> ChatCompletionResponse:
+    choices = []
+    for completion in final.outputs:
+        content, calls = completion.text, ()
+        if form.tool_parser is not None:
+            parsed = form.tool_parser.parse(completion.text)
+            content, calls = parsed.content, parsed.calls
+        logprobs = None if form.top_logprobs is None else ChatLogprobs(content=chat_logprobs(
+            completion.token_ids, completion.logprobs, form.top_logprobs, form.token_text))
+        message = ChatMessageOut(content=content, tool_calls=[
+            ToolCallOut(id=form.tool_parser.new_call_id(), function={"name": c.name, "arguments": c.arguments})
+            for c in calls])
+        choices.append(ChatChoice(index=completion.index, message=message, logprobs=logprobs,
+                                  finish_reason=_finish_reason(completion.finish_reason, form, bool(calls)),
+                                  stop_reason=completion.stop_reason))
+    return ChatCompletionResponse(id=response_id, model=model, usage=usage(final), choices=choices,
+                                  prompt_logprobs=prompt_logprobs(final.prompt_logprobs))
+
+
+
+def _finish_reason(finish_reason: str | None, form: ChoiceFormat, called: bool) -> str | None:
+    """``tool_calls`` when a model that stopped by itself called tools (not for a named ``tool_choice``, which
+    OpenAI reports as ``stop``)."""
+    if called and finish_reason == "stop" and form.tool_parser is not None and form.tool_parser.name != "named":
+        return "tool_calls"
+    return finish_reason
 
 
 class TextDeltas:
-    """Cumulative text -> the part not sent yet, holding back what a stop string could still remove."""
+    """Cumulative text -> the part safe to send, holding back what a stop string could still remove."""
 
     def __init__(self, stop: tuple[str, ...]):
         self._holdback = max((len(s) for s in stop), default=1) - 1
         self._sent = 0
 
-    def next(self, output: RequestOutput) -> str:
-        text = output.outputs[0].text
-        end = len(text) if output.finished else max(self._sent, len(text) - self._holdback)
-        delta, self._sent = text[self._sent:end], end
-        return delta
+    def visible(self, text: str, finished: bool) -> str:
+        """The cumulative text that may go out now."""
+        self._sent = len(text) if finished else max(self._sent, len(text) - self._holdback)
+        return text[:self._sent]
+
+    def next(self, text: str, finished: bool) -> str:
+        before = self._sent
+        return self.visible(text, finished)[before:]
+
+
+@dataclass
+class _ChoiceState:
+    text: TextDeltas
+    tools: ToolCallDeltas | None
+    num_tokens_sent: int = 0
+    text_offset: int = 0  # completions' logprobs: characters of the tokens sent so far
+    called: bool = False
+    done: bool = False
 
 
 class CompletionStream:
@@ -63,28 +131,57 @@ class CompletionStream:
 
     object = "text_completion"
 
-    def __init__(self, response_id: str, model: str, stop: tuple[str, ...], include_usage: bool):
-        self._id, self._model, self._include_usage = response_id, model, include_usage
+    def __init__(self, response_id: str, model: str, form: ChoiceFormat, include_usage: bool, n: int = 1,
+                 num_prompts: int = 1):
+        self._id, self._model, self._form, self._include_usage = response_id, model, form, include_usage
+        self._n, self._num_prompts = n, num_prompts
         self._created = int(time.time())
-        self._deltas = TextDeltas(stop)
+        self._choices: dict[int, _ChoiceState] = {}
 
     def opening(self) -> list[str]:
         return []
 
-    def events(self, output: RequestOutput) -> list[str]:
-        delta = self._deltas.next(output)
-        finish_reason = output.outputs[0].finish_reason if output.finished else None
-        if not delta and finish_reason is None:
-            return []
-        return [self._event([self._choice(delta, finish_reason)])]
+    def events(self, output: RequestOutput, prompt_index: int = 0) -> list[str]:
+        events = []
+        for completion in output.outputs:
+            index = choice_index(prompt_index, self._n, completion)
+            state = self._choices.setdefault(index, self._new_state())
+            if not state.done:
+                events += self._choice_events(index, state, completion)
+        return events
 
-    def closing(self, final: RequestOutput) -> list[str]:
+    def closing(self, finals: RequestOutput | Sequence[RequestOutput]) -> list[str]:
         """After the last output: the usage chunk (if asked for) and ``[DONE]``."""
-        events = [self._event([], usage(final).model_dump())] if self._include_usage else []
+        events = [self._event([], usage(finals).model_dump())] if self._include_usage else []
         return events + [DONE_EVENT]
 
-    def _choice(self, delta: str, finish_reason: str | None) -> dict[str, Any]:
-        return {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish_reason}
+    def _new_state(self) -> _ChoiceState:
+        parser = self._form.tool_parser
+        return _ChoiceState(TextDeltas(self._form.stop), None if parser is None else ToolCallDeltas(parser))
+
+    def _choice_events(self, index: int, state: _ChoiceState, completion: CompletionOutput) -> list[str]:
+        finished = completion.finish_reason is not None
+        delta = state.text.next(completion.text, finished)
+        logprobs = self._new_logprobs(state, completion)
+        state.done = finished
+        if not delta and not finished and logprobs is None:
+            return []
+        return [self._event([{"index": index, "text": delta, "logprobs": logprobs,
+                              "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}])]
+
+    def _new_logprobs(self, state: _ChoiceState, completion: CompletionOutput) -> Any:
+        """Logprobs of the tokens generated since the last event (None when not asked for or none new)."""
+        start, end = state.num_tokens_sent, len(completion.token_ids)
+        if self._form.top_logprobs is None or end == start:
+            return None
+        state.num_tokens_sent = end
+        return self._logprobs(state, completion.token_ids[start:end], completion.logprobs[start:end])
+
+    def _logprobs(self, state: _ChoiceState, token_ids: Sequence[int], logprobs: Sequence[Any]) -> Any:
+        body = completion_logprobs(token_ids, logprobs, self._form.top_logprobs, self._form.token_text,
+                                   state.text_offset)
+        state.text_offset += sum(len(t) for t in body.tokens)
+        return body.model_dump()
 
     def _event(self, choices: list[dict[str, Any]], usage_body: dict[str, Any] | None = None) -> str:
         chunk = {"id": self._id, "object": self.object, "created": self._created, "model": self._model,
@@ -95,14 +192,50 @@ class CompletionStream:
 
 
 class ChatCompletionStream(CompletionStream):
-    """SSE events of a ``/v1/chat/completions`` stream: a role chunk, content deltas, a finish chunk."""
+    """SSE events of a ``/v1/chat/completions`` stream: a role chunk per choice, content (and tool call) deltas,
+    a finish chunk."""
 
     object = "chat.completion.chunk"
 
     def opening(self) -> list[str]:
-        return [self._event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}])]
+        return [self._event([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}]) for index in range(self._n * self._num_prompts)]
 
-    def _choice(self, delta: str, finish_reason: str | None) -> dict[str, Any]:
-        return {"index": 0, "delta": {"content": delta} if delta else {}, "logprobs": None,
-                "finish_reason": finish_reason}
+    def _choice_events(self, index: int, state: _ChoiceState, completion: CompletionOutput) -> list[str]:
+        finished = completion.finish_reason is not None
+        calls: list[ParsedCall] = []
+        if state.tools is None:
+            content = state.text.next(completion.text, finished)
+        else:
+            content, calls = state.tools.next(state.text.visible(completion.text, finished), finished)
+        logprobs = self._new_logprobs(state, completion)
+        state.called = state.called or bool(calls)
+        state.done = finished
+        reason = _finish_reason(completion.finish_reason, self._form, state.called) if finished else None
+        events = []
+        if content or logprobs is not None or (finished and not calls):
+            events.append(self._choice(index, {"content": content} if content else {}, logprobs,
+                                       None if calls else reason, completion.stop_reason))
+        first_number = state.tools.num_calls - len(calls) if calls else 0
+        for number, call in enumerate(calls, first_number):
+            events += self._call_events(index, number, call)
+        if finished and calls:
+            events.append(self._choice(index, {}, None, reason, completion.stop_reason))
+        return events
+
+    def _call_events(self, index: int, number: int, call: ParsedCall) -> list[str]:
+        opening = {"index": number, "id": self._form.tool_parser.new_call_id(), "type": "function",
+                   "function": {"name": call.name, "arguments": ""}}
+        arguments = {"index": number, "function": {"arguments": call.arguments}}
+        return [self._choice(index, {"tool_calls": [opening]}), self._choice(index, {"tool_calls": [arguments]})]
+
+    def _choice(self, index: int, delta: dict[str, Any], logprobs: Any = None, finish_reason: str | None = None,
+                stop_reason: int | str | None = None) -> str:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        if finish_reason is not None:
+            choice["stop_reason"] = stop_reason
+        return self._event([choice])
+
+    def _logprobs(self, state: _ChoiceState, token_ids: Sequence[int], logprobs: Sequence[Any]) -> Any:
+        entries = chat_logprobs(token_ids, logprobs, self._form.top_logprobs, self._form.token_text)
+        return {"content": [e.model_dump() for e in entries]}

@@ -268,3 +268,28 @@ def test_a_refused_submission_goes_to_the_leader_again_and_errors_reach_the_clie
             await lost
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("fields, named", [(dict(n=2), "n > 1"), (dict(logprobs=1), "logprobs"),
+                                           (dict(prompt_logprobs=0), "prompt_logprobs")])
+def test_options_a_cluster_cannot_carry_yet_are_refused_before_submission(engine, fields, named):
+    async def scenario():
+        harness = Harness(engine)
+        client = harness.start([5, 6, 7], SamplingParams(max_tokens=3, **fields))
+        with pytest.raises(ValueError, match=f"{named}.*not supported by a cluster"):
+            await client
+        assert harness.sent.empty()
+
+    asyncio.run(scenario())
+
+
+def test_new_sampling_fields_survive_the_wire():
+    from nebula_engine.cluster.worker import params_to_wire
+    from nebula_engine.engine.structured_outputs import StructuredOutputsParams
+
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=-0.2, repetition_penalty=1.1, min_p=0.1,
+                            min_tokens=2, logit_bias={7: 3.0}, stop=["x"],
+                            structured_outputs=StructuredOutputsParams(choice=["a", "b"]))
+    decoded = wire.decode(wire.encode(wire.Submit(sender="f", request_id="r", attempt=0, token_ids=[1], segments=[],
+                                                  params=params_to_wire(params), pic_backend="")))
+    assert params_from_wire(decoded.params) == params

@@ -112,3 +112,19 @@ def test_a_failing_combine_prefill_fails_only_its_request(llm, expected, monkeyp
     [pic_expected] = [o.outputs[0].token_ids for o in llm.generate([good_pic], GREEDY, pic_backend="full")]
     outputs = llm.generate([PROMPTS[0], f"Broken: {docs} Which?", good_pic, PROMPTS[1]], GREEDY, pic_backend="full")
     assert_only_the_culprit_failed(llm, outputs, 1, [expected[0], pic_expected, expected[1]], "combine failed")
+
+
+def test_a_failing_n_request_fails_whole_and_prompt_logprobs_never_outlive_a_failed_request(
+        llm, expected, poisoned_forward):
+    """Every completion of an n > 1 request whose forward breaks fails, and the request with them; a request
+    whose sampling fails after its prompt logprobs were computed in the same step fails alone."""
+    poisoned_forward(llm)
+    n_params = SamplingParams(n=2, max_tokens=10, temperature=0.7, seed=1, prompt_logprobs=1)
+    outputs = llm.generate([PROMPTS[0], PROMPTS[1], {"prompt_token_ids": [11, POISON, 13]}, PROMPTS[2]],
+                           [GREEDY, GREEDY, n_params, GREEDY])
+    assert_only_the_culprit_failed(llm, outputs, 2, expected, f"token {POISON} breaks this batch")
+    late_failure = SamplingParams(max_tokens=10, temperature=0.7, seed=1, prompt_logprobs=1)
+    object.__setattr__(late_failure, "seed", 2 ** 64)  # as unbuildable_seed(): fails in the sampler
+    outputs = llm.generate(PROMPTS[:1] + ["poisoned"] + PROMPTS[1:], [GREEDY, late_failure, GREEDY, GREEDY])
+    assert_only_the_culprit_failed(llm, outputs, 1, expected, "Overflow")
+    assert not llm.llm_engine._parents and not llm.llm_engine._sequences

@@ -67,7 +67,7 @@ def test_greedy_generate_matches_transformers_batched_and_unbatched(case, hf_ref
         assert output.prompt_token_ids == prompt
         assert output.outputs[0].token_ids == tokens
         assert output.outputs[0].finish_reason == "length"
-        torch.testing.assert_close(torch.tensor(output.outputs[0].logprobs), torch.tensor(logprobs),
+        torch.testing.assert_close(torch.tensor(output.outputs[0].token_logprobs), torch.tensor(logprobs),
                                    atol=2e-4, rtol=1e-4)
     unbatched = [llm.generate({"prompt_token_ids": p}, PARAMS)[0].outputs[0].token_ids for p in prompts]
     assert unbatched == [tokens for tokens, _ in expected]

@@ -27,7 +27,7 @@ def test_greedy_generate_matches_transformers_unbatched_and_batched(case, hf_ref
     unbatched = [llm.generate({"prompt_token_ids": p}, PARAMS)[0] for p in prompts]
     for output, (tokens, logprobs) in zip(unbatched, expected):
         assert output.outputs[0].token_ids == tokens
-        torch.testing.assert_close(torch.tensor(output.outputs[0].logprobs), torch.tensor(logprobs),
+        torch.testing.assert_close(torch.tensor(output.outputs[0].token_logprobs), torch.tensor(logprobs),
                                    atol=2e-4, rtol=1e-4)
     batched = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS)
     assert _tokens(batched) == _tokens(unbatched)
@@ -64,7 +64,7 @@ def test_qwen3_5_decode_after_prefill_longer_than_one_delta_rule_chunk(settings,
     [(tokens, logprobs)] = hf_greedy(checkpoint, [prompt])
     output = LLM(str(checkpoint), **settings).generate({"prompt_token_ids": prompt}, PARAMS)[0].outputs[0]
     assert output.token_ids == tokens and len(tokens) == NUM_TOKENS
-    torch.testing.assert_close(torch.tensor(output.logprobs), torch.tensor(logprobs), atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(torch.tensor(output.token_logprobs), torch.tensor(logprobs), atol=2e-4, rtol=1e-4)
 
 
 def test_qwen3_5_vision_language_checkpoint_through_the_engine(hf_reference, tmp_path):

@@ -26,7 +26,7 @@ def test_outputs_come_back_in_input_order_with_prompts(llm):
 def test_max_tokens_finishes_with_length(llm):
     [out] = llm.generate(PROMPT, greedy(max_tokens=5))
     completion = out.outputs[0]
-    assert len(completion.token_ids) == len(completion.logprobs) == 5
+    assert len(completion.token_ids) == len(completion.token_logprobs) == 5 and completion.logprobs is None
     assert completion.finish_reason == "length"
     assert completion.text == llm.get_tokenizer().decode(completion.token_ids, skip_special_tokens=True)
 

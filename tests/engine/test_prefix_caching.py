@@ -40,7 +40,7 @@ def test_same_long_prompt_twice_is_served_from_cache_with_identical_tokens(cache
     assert second.num_cached_tokens == 296  # every full page before the last prompt token
     assert second.num_cached_tokens >= 0.9 * len(prompt["prompt_token_ids"])
     assert token_ids([first, second]) == token_ids([reference, reference])
-    torch.testing.assert_close(torch.tensor(second.outputs[0].logprobs), torch.tensor(reference.outputs[0].logprobs),
+    torch.testing.assert_close(torch.tensor(second.outputs[0].token_logprobs), torch.tensor(reference.outputs[0].token_logprobs),
                                atol=1e-4, rtol=1e-4)
 
 

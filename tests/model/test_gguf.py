@@ -118,7 +118,7 @@ def test_engine_on_a_gguf_tokenizes_chats_and_decodes_like_the_source_checkpoint
     got, expected = from_gguf.chat(chat, params)[0], from_safetensors.chat(chat, params)[0]
     assert got.prompt_token_ids == expected.prompt_token_ids
     assert got.outputs[0].token_ids == expected.outputs[0].token_ids
-    assert got.outputs[0].logprobs == pytest.approx(expected.outputs[0].logprobs, abs=1e-4)
+    assert got.outputs[0].token_logprobs == pytest.approx(expected.outputs[0].token_logprobs, abs=1e-4)
 
 
 # ---- what is not supported says so ----

@@ -53,7 +53,7 @@ def test_exact_settings_equal_plain_prefill(engines, case, spec):
     assert pic.prompt_token_ids == plain.prompt_token_ids
     assert pic.num_pic_cached_tokens == 64 and pic.num_recomputed_tokens == 64
     assert pic.outputs[0].token_ids == plain.outputs[0].token_ids
-    assert pic.outputs[0].logprobs == pytest.approx(plain.outputs[0].logprobs, abs=1e-4)
+    assert pic.outputs[0].token_logprobs == pytest.approx(plain.outputs[0].token_logprobs, abs=1e-4)
 
 
 @pytest.mark.parametrize("case", [c for c in MODEL_CASES if c.name in ("mistral_gqa2", "qwen3_gqa2_hd20")]
@@ -67,7 +67,7 @@ def test_reuse_without_recompute_is_not_exact(engines, case):
     plain = llm.generate({"prompt_token_ids": flat(target)}, GREEDY, pic_backend=None)[0]
     pic = llm.generate({"segments": target}, GREEDY, pic_backend=spec)[0]
     assert pic.num_pic_cached_tokens > 0
-    assert max(abs(a - b) for a, b in zip(pic.outputs[0].logprobs, plain.outputs[0].logprobs)) > 1e-3
+    assert max(abs(a - b) for a, b in zip(pic.outputs[0].token_logprobs, plain.outputs[0].token_logprobs)) > 1e-3
 
 
 @pytest.mark.parametrize("spec,expected", [("naive", 0), ("epic:k=4", 3 * 4), ("cacheblend:ratio=0.25", 16),

@@ -86,3 +86,16 @@ def reference_llm(qwen3_dir):
 @pytest.fixture(scope="session")
 def observed_engine(qwen3_dir):
     return ObservedEngine(EngineConfig.create(str(qwen3_dir), **ENGINE_SETTINGS))
+
+
+@pytest.fixture(scope="session")
+def qwen3_tools_dir(qwen3_dir, tmp_path_factory):
+    """The tiny Qwen3 with Qwen's tool-calling chat template (weights and vocabulary linked, not copied)."""
+    from tests.server.tool_template import QWEN_TOOL_TEMPLATE
+
+    out = tmp_path_factory.mktemp("qwen3_tools")
+    for item in qwen3_dir.iterdir():
+        if item.name != "chat_template.jinja":
+            (out / item.name).symlink_to(item)
+    (out / "chat_template.jinja").write_text(QWEN_TOOL_TEMPLATE)
+    return out

@@ -118,7 +118,8 @@ def test_chat_equals_offline_chat_streamed_or_not(http, reference_llm):
     [expected] = reference_llm.chat(CHAT, greedy())
     result = http.post("/v1/chat/completions", json=body(messages=CHAT)).json()
     assert result["object"] == "chat.completion"
-    assert result["choices"][0]["message"] == {"role": "assistant", "content": expected.outputs[0].text}
+    assert result["choices"][0]["message"] == {"role": "assistant", "content": expected.outputs[0].text,
+                                               "tool_calls": []}  # vLLM's shape: an empty list, not absent
     assert result["usage"]["prompt_tokens"] == len(expected.prompt_token_ids)
     payloads = stream(http, "/v1/chat/completions", messages=CHAT)
     assert payloads[-1] == "[DONE]"
@@ -157,7 +158,8 @@ def test_stop_string_never_streams_past_the_stop(http, reference_llm):
     stop = full[len(full) // 2: len(full) // 2 + 3]
     expected = full[:full.index(stop)]
     result = http.post("/v1/completions", json=body(prompt=PROMPT, max_tokens=16, stop=stop)).json()
-    assert result["choices"][0] == {"index": 0, "text": expected, "logprobs": None, "finish_reason": "stop"}
+    assert result["choices"][0] == {"index": 0, "text": expected, "logprobs": None, "finish_reason": "stop",
+                                    "stop_reason": stop, "prompt_logprobs": None}  # vLLM's extra fields
     chunks = stream(http, "/v1/completions", prompt=PROMPT, max_tokens=16, stop=[stop])[:-1]
     assert "".join(c["choices"][0]["text"] for c in chunks) == expected
 
@@ -201,6 +203,8 @@ def test_documents_reused_at_new_positions_are_reported_as_pic_cached(http):
     assert metric(http, "nebula_cached_prompt_tokens_total", kind="pic") - before == split["pic_cached_tokens"]
 
 
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 BAD_REQUESTS = [  # (path, raw body, param the error names)
     ("/v1/completions", b'{"model": "tiny-qwen3", "prompt": ', None),  # malformed JSON
     ("/v1/completions", b'["not", "an", "object"]', None),
@@ -213,10 +217,21 @@ BAD_REQUESTS = [  # (path, raw body, param the error names)
     ("/v1/completions", {"model": MODEL_NAME, "prompt": PROMPT, "temperature": -1}, "temperature"),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": PROMPT, "top_p": 0}, "top_p"),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": 12}, "prompt"),
-    ("/v1/completions", {"model": MODEL_NAME, "prompt": ["a", "b"]}, "prompt"),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": ["a", 5]}, "prompt"),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": PROMPT, "temperature": 5}, "temperature"),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": PROMPT, "stream": "yes"}, "stream"),
-    ("/v1/completions", {"model": MODEL_NAME, "prompt": PROMPT, "n": 2}, "n"),
-    ("/v1/completions", {"model": MODEL_NAME, "prompt": PROMPT, "logprobs": 1}, "logprobs"),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": PROMPT, "n": 0}, "n"),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": PROMPT, "n": 129}, "n"),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": PROMPT, "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": PROMPT, "echo": True}, "echo"),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": PROMPT, "presence_penalty": 2.5}, "presence_penalty"),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": PROMPT, "logit_bias": {"abc": 1}}, "logit_bias"),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": PROMPT, "logit_bias": {"5": 101}}, "logit_bias"),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": PROMPT, "logit_bias": {"999999999": 1}}, "logit_bias"),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": PROMPT, "response_format": {"type": "json_schema"}},
+     "response_format"),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": PROMPT, "response_format": {"type": "yaml"}},
+     "response_format"),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": PROMPT, "frobnicate": True}, "frobnicate"),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": "<pic>never closed"}, "prompt"),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": "a </pic> b"}, "prompt"),
@@ -235,7 +250,24 @@ BAD_REQUESTS = [  # (path, raw body, param the error names)
     ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
     ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [{"role": "user", "content": "<pic>a<pic>b</pic>"}]},
      "messages"),
-    ("/v1/chat/completions", {"model": MODEL_NAME, "messages": CHAT, "logprobs": True}, "logprobs"),
+    ("/v1/chat/completions", {"model": MODEL_NAME, "messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"model": MODEL_NAME, "messages": CHAT, "logprobs": True, "top_logprobs": 21},
+     "top_logprobs"),
+    ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}]}, "messages"),
+    ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [{"role": "user", "content": None}]}, "messages"),
+    ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [{"role": "tool", "content": "42"}]}, "messages"),
+    ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi", "tool_calls": []}]},
+     "messages"),
+    ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                              "function": {"name": "f", "arguments": "{not json"}}]}]}, "messages"),
+    ("/v1/chat/completions", {"model": MODEL_NAME, "messages": CHAT, "tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"model": MODEL_NAME, "messages": CHAT, "tools": [TOOL],
+                              "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ("/v1/chat/completions", {"model": MODEL_NAME, "messages": CHAT, "tools": [TOOL]}, "tool_choice"),  # no parser
+    ("/v1/chat/completions", {"model": MODEL_NAME, "messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
     ("/v1/chat/completions", {"model": MODEL_NAME, "messages": CHAT, "stream_options": {"include_usage": True}},
      "stream_options"),
 ]

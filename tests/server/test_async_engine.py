@@ -139,3 +139,20 @@ def test_a_request_failing_inside_a_step_ends_alone_while_concurrent_streams_com
         assert [len(o.outputs[0].token_ids) for o in outputs] == list(range(1, 21))  # every token, in order
         assert outputs[-1].outputs[0].token_ids == expected.outputs[0].token_ids
     assert engine.stats().num_running == 0
+
+
+def test_streams_carry_n_completions_and_logprobs(engine, reference_llm):
+    prompt = engine.tokenizer.encode("One two three")
+    params = SamplingParams(n=2, max_tokens=5, temperature=1.0, seed=4, ignore_eos=True, logprobs=2,
+                            prompt_logprobs=1)
+    outputs = asyncio.run(collect(engine, "n-logprobs", prompt, params))
+    final = outputs[-1]
+    expected = reference_llm.generate({"prompt_token_ids": prompt}, params)[0]
+    assert final.finished and [c.index for c in final.outputs] == [0, 1]
+    for got, want in zip(final.outputs, expected.outputs):
+        assert got.token_ids == want.token_ids and len(got.logprobs) == 5
+        assert [list(d) for d in got.logprobs] == [list(d) for d in want.logprobs]
+    for output in outputs:  # every streamed item: each completion so far, its logprobs as long as its tokens
+        assert all(len(c.logprobs) == len(c.token_ids) for c in output.outputs)
+    assert len(final.prompt_logprobs) == len(prompt) and final.prompt_logprobs[0] is None
+    assert engine.stats().num_running == 0

@@ -106,6 +106,10 @@ def test_the_api_key_comes_from_the_environment_and_guards_only_v1(server_url):
         wrong.models.list()
     response = httpx2.post(f"{server_url}/v1/completions", json={"model": MODEL_NAME, "prompt": "hi"}, timeout=30)
     assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+    for route, payload in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})):  # model work too
+        assert httpx2.post(f"{server_url}{route}", json=payload, timeout=30).status_code == 401
+        assert httpx2.post(f"{server_url}{route}", json=payload, timeout=30,
+                           headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
     assert httpx2.get(f"{server_url}/health", timeout=30).status_code == 200
     assert httpx2.get(f"{server_url}/metrics", timeout=30).status_code == 200
 

@@ -23,3 +23,11 @@ def test_a_cluster_hands_its_security_flags_to_every_peer():
         assert cluster._peer_env()["NEBULA_API_KEY"] == "k"
     finally:
         cluster.stop()
+
+
+def test_tool_call_parser_is_checked_before_any_model_is_loaded():
+    result = CliRunner().invoke(serve, ["--model", "/nonexistent", "--tool-call-parser", "nope"])
+    assert result.exit_code == 2 and "'nope' is not one of" in result.output
+    result = CliRunner().invoke(serve, ["--model", "/nonexistent", "--prefill-workers", "1",
+                                        "--tool-call-parser", "hermes"])
+    assert result.exit_code == 2 and "are for one engine" in result.output

@@ -1,0 +1,238 @@
+"""Tool calls in a model's output text, one parser per model family's format.
+
+- ``hermes`` (Qwen2.5 / Qwen3, Hermes): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, repeated;
+- ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` (v3 tokenizers) or
+  ``[TOOL_CALLS]name[ARGS]{...}`` per call (v11+);
+- ``llama3_json`` (Llama 3.1+ JSON tool calling): the whole output is ``{"name": ..., "parameters": {...}}``
+  (optionally after ``<|python_tag|>``), several separated by ``;``.
+
+The HTTP API sees only the tokenizer (of a local engine or of a cluster), so the family is recognised by what
+its chat template writes (``parser_for_template``); ``nebula-engine serve --tool-call-parser`` names one
+explicitly, as vLLM's flag does. Text before the first call is content; arguments are re-serialised with
+``json.dumps`` (as vLLM does), so a streamed call and a whole one carry the same string. A call whose JSON does not
+parse ends the calls: if none parsed, the whole output is content.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+_DECODER = json.JSONDecoder()
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+@dataclass(frozen=True)
+class ParsedOutput:
+    content: str | None
+    calls: tuple[ParsedCall, ...]
+
+
+class ToolParser(ABC):
+    name: ClassVar[str]
+    markers: ClassVar[tuple[str, ...]]  # texts that open the tool-call part of an output
+    # the markers are special tokens, which the detokenizer drops unless told to keep them (vLLM does the same)
+    keeps_special_tokens: ClassVar[bool] = False
+
+    @staticmethod
+    def new_call_id() -> str:
+        return f"chatcmpl-tool-{uuid.uuid4().hex}"  # vLLM's form
+
+    def calls_start(self, text: str) -> int | None:
+        """Where the tool-call markup begins in ``text``, None if it has not (yet) begun."""
+        found = [i for i in (text.find(m) for m in self.markers) if i >= 0]
+        return min(found) if found else None
+
+    def undecided_suffix(self, text: str) -> int:
+        """How many characters at the end of ``text`` (markup not begun) could still become a marker."""
+        for size in range(min(len(text), max(len(m) for m in self.markers)), 0, -1):
+            if any(m.startswith(text[-size:]) for m in self.markers):
+                return size
+        return 0
+
+    @abstractmethod
+    def calls(self, markup: str, finished: bool) -> list[ParsedCall]:
+        """The calls complete in ``markup`` (which starts at ``calls_start``), in order; ``finished``: the output
+        ended, so an unterminated last call counts if its JSON is whole."""
+
+    def parse(self, text: str) -> ParsedOutput:
+        """A finished output -> content and calls."""
+        start = self.calls_start(text)
+        calls = [] if start is None else self.calls(text[start:], finished=True)
+        if not calls:
+            return ParsedOutput(text, ())
+        return ParsedOutput(text[:start] if text[:start].strip() else None, tuple(calls))
+
+
+def _call(obj: Any, arguments_key: str) -> ParsedCall | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    arguments = obj.get(arguments_key, obj.get("arguments", {}))
+    if not isinstance(arguments, dict):
+        return None
+    return ParsedCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def _decode_json(text: str, at: int) -> tuple[Any, int] | None:
+    """(value, end) of the JSON value starting at ``text[at:]`` (leading spaces skipped), None if incomplete."""
+    at = len(text) - len(text[at:].lstrip())
+    try:
+        return _DECODER.raw_decode(text, at)
+    except json.JSONDecodeError:
+        return None
+
+
+def _json_calls(text: str, at: int, arguments_key: str, separator: str) -> list[ParsedCall]:
+    """Complete calls in ``text[at:]``: JSON objects separated by ``separator``, up to the first that is not
+    (yet) a whole call."""
+    calls = []
+    while True:
+        decoded = _decode_json(text, at)
+        call = None if decoded is None else _call(decoded[0], arguments_key)
+        if call is None:
+            return calls
+        calls.append(call)
+        rest = text[decoded[1]:].lstrip()
+        if not rest.startswith(separator):
+            return calls
+        at = len(text) - len(rest) + 1
+
+
+class HermesToolParser(ToolParser):
+    name = "hermes"
+    markers = ("<tool_call>",)
+    _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+    def calls(self, markup: str, finished: bool) -> list[ParsedCall]:
+        bodies = [m.group(1) for m in self._BLOCK.finditer(markup)]
+        tail = markup[markup.rfind("</tool_call>") + len("</tool_call>"):] if bodies else markup
+        if finished and tail.lstrip().startswith("<tool_call>"):  # stopped (EOS) before the closing tag
+            bodies.append(tail.lstrip()[len("<tool_call>"):])
+        calls = []
+        for body in bodies:
+            try:
+                call = _call(json.loads(body), "arguments")
+            except json.JSONDecodeError:
+                call = None
+            if call is None:
+                break
+            calls.append(call)
+        return calls
+
+
+class MistralToolParser(ToolParser):
+    name = "mistral"
+    markers = ("[TOOL_CALLS]",)
+    keeps_special_tokens = True
+    _ARGS = "[ARGS]"
+
+    @staticmethod
+    def new_call_id() -> str:
+        return uuid.uuid4().hex[:9]  # Mistral's templates refuse ids that are not 9 alphanumerics (vLLM's too)
+
+    def calls(self, markup: str, finished: bool) -> list[ParsedCall]:
+        body = markup[len("[TOOL_CALLS]"):]
+        if body.lstrip().startswith("["):
+            return _json_calls(body, body.index("[") + 1, "arguments", ",")
+        return self._named_calls(markup)
+
+    def _named_calls(self, markup: str) -> list[ParsedCall]:
+        calls = []
+        for piece in markup.split("[TOOL_CALLS]")[1:]:
+            name, sep, arguments = piece.partition(self._ARGS)
+            decoded = _decode_json(arguments, 0) if sep else None
+            if decoded is None or not isinstance(decoded[0], dict) or not name.strip():
+                break
+            calls.append(ParsedCall(name.strip(), json.dumps(decoded[0], ensure_ascii=False)))
+        return calls
+
+
+class Llama3JsonToolParser(ToolParser):
+    name = "llama3_json"
+    markers = ("<|python_tag|>", "{")
+    keeps_special_tokens = True
+
+    def calls_start(self, text: str) -> int | None:
+        """Only an output that *is* tool calls: the markup must open it (after spaces)."""
+        stripped = text.lstrip()
+        if stripped.startswith(self.markers):
+            return len(text) - len(stripped)
+        return None
+
+    def undecided_suffix(self, text: str) -> int:
+        stripped = text.lstrip()
+        return len(text) if any(m.startswith(stripped) for m in self.markers) else 0
+
+    def calls(self, markup: str, finished: bool) -> list[ParsedCall]:
+        return _json_calls(markup.removeprefix("<|python_tag|>"), 0, "parameters", ";")
+
+
+class NamedToolOutput(ToolParser):
+    """``tool_choice`` naming a function: the output is constrained to that function's arguments object."""
+
+    name = "named"
+    markers = ("",)
+
+    def __init__(self, function_name: str):
+        self.function_name = function_name
+
+    def calls_start(self, text: str) -> int | None:
+        return 0
+
+    def calls(self, markup: str, finished: bool) -> list[ParsedCall]:
+        decoded = _decode_json(markup, 0)
+        if decoded is None or not isinstance(decoded[0], dict) or markup[decoded[1]:].strip():
+            return []
+        return [ParsedCall(self.function_name, json.dumps(decoded[0], ensure_ascii=False))]
+
+
+class RequiredToolsOutput(ToolParser):
+    """``tool_choice: required``: the output is constrained to a JSON array of ``{"name", "parameters"}``
+    (vLLM's form)."""
+
+    name = "required"
+    markers = ("",)
+
+    def calls_start(self, text: str) -> int | None:
+        return 0
+
+    def calls(self, markup: str, finished: bool) -> list[ParsedCall]:
+        stripped = markup.lstrip()
+        if not stripped.startswith("["):
+            return []
+        return _json_calls(markup, len(markup) - len(stripped) + 1, "parameters", ",")
+
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    "hermes": HermesToolParser, "qwen3": HermesToolParser, "mistral": MistralToolParser,
+    "llama3_json": Llama3JsonToolParser,
+}
+# what each family's chat template writes when it renders a tool call (checked in this order)
+_TEMPLATE_SIGNS = (("<tool_call>", "hermes"), ("[TOOL_CALLS]", "mistral"), ('"parameters": ', "llama3_json"),
+                   ("<|python_tag|>", "llama3_json"))
+
+
+def tool_parser(name: str) -> ToolParser:
+    try:
+        return TOOL_PARSERS[name]()
+    except KeyError:
+        raise ValueError(f"unknown tool call parser {name!r}; known: {', '.join(sorted(TOOL_PARSERS))}") from None
+
+
+def parser_for_template(chat_template: str | dict[str, str] | None) -> ToolParser | None:
+    """The parser of the family whose chat template this is (HF's named templates: all of them); None when it
+    renders no tool calls."""
+    text = " ".join(chat_template.values()) if isinstance(chat_template, dict) else chat_template or ""
+    for sign, name in _TEMPLATE_SIGNS:
+        if sign in text:
+            return tool_parser(name)
+    return None
