@@ -182,6 +182,8 @@ class LLMEngine:
         sampled there. Returns the output after that first token (it may already be finished)."""
         seq = Sequence(request_id, prompt_token_ids, params)
         seq.num_prefix_cached_tokens, seq.num_pic_cached_tokens, seq.num_recomputed_tokens = cached
+        if any(cached):  # reused K/V of a provenance this engine cannot check: never cache its pages
+            seq.num_exact_kv_tokens = 0
         seq.num_computed_tokens = len(prompt_token_ids)
         self._sequences[request_id] = seq
         self.output_processor.add(seq)

@@ -143,7 +143,8 @@ class Scheduler:
         """Start ``seq`` after its longest cached prefix (its pages are shared, not recomputed)."""
         if self.prefix_cache is None:
             return
-        seq.num_computed_tokens = self.prefix_cache.match_prefix(seq.seq_id, seq.token_ids)
+        seq.num_computed_tokens = self.prefix_cache.match_prefix(seq.seq_id, seq.token_ids,
+                                                                 seq.approximate_kv_spec or "")
         if seq.num_preemptions == 0:
             seq.num_prefix_cached_tokens = seq.num_computed_tokens
 
@@ -165,7 +166,8 @@ class Scheduler:
                 continue
             entry.seq.num_computed_tokens += entry.num_new_tokens
             if self.prefix_cache is not None:  # full pages become reusable as soon as they are computed
-                self.prefix_cache.cache_pages(entry.seq_id, entry.seq.token_ids, entry.seq.num_computed_tokens)
+                self.prefix_cache.cache_pages(entry.seq_id, entry.seq.token_ids, entry.seq.num_computed_tokens,
+                                              entry.seq.num_exact_kv_tokens)
 
     def abort(self, seq: Sequence) -> None:
         """Drop ``seq`` wherever it is; its pages go back to the pool (cached ones stay cached)."""
