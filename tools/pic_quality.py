@@ -16,6 +16,10 @@ quality trend; pass --model with a local checkpoint of real weights for that.
     python tools/pic_quality.py                                    # tiny mistral (5 backends) + tiny qwen3_5 (hypic)
     python tools/pic_quality.py --family qwen3 --hidden-size 512 --layers 8 --num-docs 8 --doc-len 256
     python tools/pic_quality.py --model ~/models/Mistral-7B-Instruct-v0.2 --backend epic --backend epic:k=32
+    python tools/pic_quality.py --model smollm2 --num-prompts 20 --markdown q.md --png q.png   # fictional facts
+
+With ``--model`` the prompts are chats over invented facts (``--prompts facts``, see pic_quality_rag.py): answer
+accuracy, 20-token match and combine time are measured too. ``--prompts random`` keeps random token prompts.
 
 The combine runs the engine's own pieces below the scheduler (``PICHarness``): the PIC store and its segment
 prefill, ``place_reused_kv`` and the backend's ``combine``, each prompt into pages of its own.
@@ -184,7 +188,8 @@ class PICHarness:
         return min(100, high // 2), high
 
     def segmented(self, prompt: RagPrompt) -> SegmentedPrompt:
-        return segment_token_lists(prompt.segments(), self.executor.bos_token_id)
+        prefix = self.engine.tokenizer.prompt_prefix_ids  # BOS where the tokenizer adds one
+        return segment_token_lists(prompt.segments(), prefix[0] if len(prefix) == 1 else None)
 
     def backend(self, spec: str) -> PICBackend:
         return resolve_pic_backend(spec, self.model)
@@ -443,7 +448,16 @@ def legend(run: dict) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="local HF checkpoint dir (real weights); default: a tiny one")
+    parser.add_argument("--model", default=None,
+                        help="a model the engine loads (checkpoint dir, .gguf, or a name such as smollm2); "
+                             "default: a tiny random one")
+    parser.add_argument("--prompts", choices=("facts", "random"), default=None,
+                        help="facts: chat RAG prompts over invented facts (default with --model); random: random ids")
+    parser.add_argument("--segment-sink", choices=("auto", "none"), default="auto",
+                        help="facts: prefill each document behind the model's sink token (auto, the engine's "
+                             "default) or alone (none: how PIC ran before issue #12)")
+    parser.add_argument("--markdown", default=None, help="facts: write the markdown table here")
+    parser.add_argument("--png", default=None, help="facts: write the quality vs recomputed plot here")
     parser.add_argument("--family", default="mistral", choices=TINY_FAMILIES)
     parser.add_argument("--hybrid-family", default="qwen3_5", choices=(*HYBRID_FAMILIES, "none"),
                         help="also run hypic on this tiny hybrid model (none: skip; ignored with --model)")
@@ -469,6 +483,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.steps < 1 or args.num_prompts < 1:
         parser.error("--steps and --num-prompts must be >= 1")
+    args.prompts = args.prompts or ("facts" if args.model else "random")
+    if args.prompts == "facts" and not args.model:
+        parser.error("--prompts facts needs --model with real weights (random models cannot answer)")
     return args
 
 
@@ -486,6 +503,14 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.prompts == "facts":
+        from pic_quality_rag import run as run_facts
+
+        report = run_facts(args.model, args.backend, args.num_prompts, args.seed, args.page_size, args.markdown,
+                           args.png, sink=args.segment_sink == "auto")
+        if args.out:
+            Path(args.out).write_text(json.dumps(report, indent=2))
+        return report
     shape = PromptShape(args.system_len, args.num_docs, args.doc_len, args.question_len)
     runs = []
     if args.model:

@@ -232,6 +232,8 @@ class LLMEngine:
             raise ValueError("a request prefilled by another engine runs one completion (n=1) without prompt_logprobs")
         seq = Sequence(request_id, prompt_token_ids, params)
         seq.num_prefix_cached_tokens, seq.num_pic_cached_tokens, seq.num_recomputed_tokens = cached
+        if any(cached):  # reused K/V of a provenance this engine cannot check: never cache its pages
+            seq.num_exact_kv_tokens = 0
         seq.num_computed_tokens = len(prompt_token_ids)
         self._sequences[request_id] = seq
         self.output_processor.add(seq)

@@ -6,7 +6,9 @@ For a request admitted with its whole prompt's pages (the prefix-cache hit alrea
 2. the cached segments' K/V is copied to the request's slots and re-rotated to its positions;
 3. the request's backend runs the combine prefill and returns the last prompt token's hidden state.
 Entries stay locked only while their pages are copied. The request's pages then go to the prefix cache as
-any prefill's do, so a later request with the same prefix reuses the combined KV exactly (paper §4.2).
+any prefill's do, so a later request with the same prefix and PIC backend reuses the combined KV (paper §4.2);
+unless every reused token was recomputed, pages from the first reused token on are cached as approximate K/V of
+the backend's spec, which no PIC-off request ever matches (``radix_cache``'s provenance).
 """
 
 from __future__ import annotations
@@ -83,6 +85,8 @@ class PICExecutor:
             self._store_linear_states(entry.state_slot, result.linear_states)
         seq.num_pic_cached_tokens = layout.num_reused
         seq.num_recomputed_tokens = result.num_recomputed
+        if result.num_recomputed < layout.num_reused:  # cached K/V kept somewhere: approximate from there on
+            seq.num_exact_kv_tokens = min(seq.num_exact_kv_tokens, layout.reused[0].start)
         self.stats.combines += 1
         return result.hidden
 

@@ -145,7 +145,7 @@ class Scheduler:
             return
         # prompt logprobs need every prompt token's hidden state: match nothing (vLLM skips the cache alike)
         wanted = seq.token_ids[:1] if seq.sampling_params.prompt_logprobs is not None else seq.token_ids
-        seq.num_computed_tokens = self.prefix_cache.match_prefix(seq.seq_id, wanted)
+        seq.num_computed_tokens = self.prefix_cache.match_prefix(seq.seq_id, wanted, seq.approximate_kv_spec or "")
         if seq.num_preemptions == 0:
             seq.num_prefix_cached_tokens = seq.num_computed_tokens
 
@@ -167,7 +167,8 @@ class Scheduler:
                 continue
             entry.seq.num_computed_tokens += entry.num_new_tokens
             if self.prefix_cache is not None:  # full pages become reusable as soon as they are computed
-                self.prefix_cache.cache_pages(entry.seq_id, entry.seq.token_ids, entry.seq.num_computed_tokens)
+                self.prefix_cache.cache_pages(entry.seq_id, entry.seq.token_ids, entry.seq.num_computed_tokens,
+                                              entry.seq.num_exact_kv_tokens)
 
     def abort(self, seq: Sequence) -> None:
         """Drop ``seq`` wherever it is; its pages go back to the pool (cached ones stay cached)."""

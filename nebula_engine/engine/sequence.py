@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import sys
 
 from nebula_engine.engine.sampling_params import SamplingParams
 
@@ -29,6 +30,7 @@ class Sequence:
         self.num_prefix_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
         self.num_pic_cached_tokens = 0  # prompt tokens taken from the PIC store (combine prefill)
         self.num_recomputed_tokens = 0  # of those, the ones the PIC backend recomputed
+        self.num_exact_kv_tokens = sys.maxsize  # its K/V is exact before this token (a combine may approximate)
         self.status = SequenceStatus.WAITING
         self.output_logprobs: list[float] = []  # each sampled token's
         self.output_top_logprobs: list = []  # outputs.Logprob dicts per token, only when params.logprobs is set
@@ -48,6 +50,14 @@ class Sequence:
         when it asks for prompt logprobs, which are those of the exact full prefill)."""
         return (self.pic_backend is not None and self.segmented is not None and self.num_preemptions == 0
                 and bool(self.segmented.pic_segments) and self.sampling_params.prompt_logprobs is None)
+
+    @property
+    def approximate_kv_spec(self) -> str | None:
+        """The provenance of approximate K/V this sequence may reuse and make: its PIC backend's spec when it has
+        PIC segments to combine; None (exact K/V only) for PIC off and prompts without segments."""
+        if self.pic_backend is None or self.segmented is None or not self.segmented.pic_segments:
+            return None
+        return self.pic_backend.spec
 
     @property
     def num_cached_tokens(self) -> int:
@@ -80,5 +90,6 @@ class Sequence:
     def reset_for_recompute(self) -> None:
         """Preempted: its pages are gone, so every token (prompt and output) is prefilled again."""
         self.num_computed_tokens = 0
+        self.num_exact_kv_tokens = sys.maxsize  # recomputed by plain prefill (after what it matches)
         self.status = SequenceStatus.WAITING
         self.num_preemptions += 1

@@ -23,7 +23,7 @@ from nebula_engine.kvcache.eviction import CacheState, make_eviction_policy
 from nebula_engine.kvcache.pic_store import PICEntry, PICStore
 from nebula_engine.kvcache.page_io import PageIO
 from nebula_engine.kvcache.pool import OutOfPagesError, PagePool
-from nebula_engine.kvcache.radix_cache import RadixCache, TreeNode, block_hash
+from nebula_engine.kvcache.radix_cache import EXACT, RadixCache, TreeNode, block_hash
 from nebula_engine.kvcache.tiers import TierChain, TierConfig
 
 
@@ -66,15 +66,18 @@ class CacheStore:
 
         Returns (deepest node, now locked in ``node``'s place; the promoted pages in order).
         Stops at the first page that is on no tier, fails verification, or finds no free page.
+        Pages of ``node``'s provenance only: an exact prefix is continued by exact pages.
         """
         pages: list[int] = []
+        provenance = node.provenance
         for start in range(0, len(token_ids) - self.page_size + 1, self.page_size) if self.tiers else ():
             tokens = token_ids[start:start + self.page_size]
-            promoted = self._promote_into_pages(CacheKind.PC, block_hash(node.block_hash, tuple(tokens)), 1)
+            key = block_hash(node.block_hash, tuple(tokens), provenance)
+            promoted = self._promote_into_pages(CacheKind.PC, key, 1)
             if promoted is None:
                 break
             new_pages, _ = promoted
-            child = self.radix.insert(node, tokens, new_pages, promoted=True)
+            child = self.radix.insert(node, tokens, new_pages, promoted=True, provenance=provenance)
             self.pool.release(new_pages)  # the tree holds its own reference now
             self.radix.inc_lock_ref(child)
             self.radix.dec_lock_ref(node)
@@ -89,7 +92,7 @@ class CacheStore:
         """
         pending, key = False, node.block_hash
         for start in range(0, len(token_ids) - self.page_size + 1, self.page_size) if self.tiers else ():
-            key = block_hash(key, tuple(token_ids[start:start + self.page_size]))
+            key = block_hash(key, tuple(token_ids[start:start + self.page_size]), node.provenance)
             tier = self.tiers.tier_of(CacheKind.PC, key)
             if tier is None:
                 break
@@ -140,9 +143,10 @@ class CacheStore:
         return CacheState(self.radix.total_size, self.pic.total_size, self.pool.num_pages * self.page_size,
                           self.radix.oldest_evictable(), self.pic.oldest_evictable())
 
-    def insert_prefix(self, node: TreeNode, token_ids: list[int], pages: list[int]) -> TreeNode:
-        """Cache full pages continuing ``node``'s prefix; returns the last page's node, locked."""
-        last = self.radix.insert(node, token_ids, pages)
+    def insert_prefix(self, node: TreeNode, token_ids: list[int], pages: list[int],
+                      provenance: str = EXACT) -> TreeNode:
+        """Cache full pages of ``provenance`` continuing ``node``'s prefix; returns the last page's node, locked."""
+        last = self.radix.insert(node, token_ids, pages, provenance=provenance)
         self.radix.inc_lock_ref(last)
         self._enforce_quota(CacheKind.PC)
         return last

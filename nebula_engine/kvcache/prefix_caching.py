@@ -4,13 +4,22 @@ A sequence starts from the longest cached prefix of its tokens (``match_prefix``
 it fills (``cache_pages``) and keeps the deepest cached node of its prefix locked until it is freed,
 so no page in its block table can be evicted under it. Unlocked cached pages count as free: the
 pool evicts them (policy of ``CacheStore``) before an allocation fails.
+
+Provenance (see ``radix_cache``): a sequence matches exact pages, plus pages of the one approximate provenance
+it accepts (its PIC backend's spec). It caches its pages as exact up to its exact limit (the first token whose
+K/V an approximate combine made, or the first approximate page it matched) and as its provenance after it;
+a sequence with no provenance does not cache pages past its exact limit.
 """
 
 from __future__ import annotations
 
 from nebula_engine.kvcache.cache_store import CacheStore, CacheStoreConfig
+import sys
+
 from nebula_engine.kvcache.pool import KVCacheError, KVCacheManager
-from nebula_engine.kvcache.radix_cache import TreeNode
+from nebula_engine.kvcache.radix_cache import EXACT, TreeNode
+
+ALL_EXACT = sys.maxsize  # exact limit of a sequence whose K/V is exact throughout
 from nebula_engine.kvcache.tiers import TierConfig
 
 
@@ -25,20 +34,27 @@ class PrefixCachingKVCacheManager(KVCacheManager):
         self.pool.reclaimer = self.cache.evict
         self._locked: dict[str, TreeNode] = {}  # seq -> deepest cached node of its prefix (locked)
         self._num_cached_pages: dict[str, int] = {}  # leading pages of its block table in the tree
+        self._provenance: dict[str, str] = {}  # seq -> approximate provenance it accepts and makes (absent: none)
+        self._exact_limit: dict[str, int] = {}  # seq -> tokens before it whose K/V is exact (absent: all)
 
     @property
     def num_free_pages(self) -> int:
         return self.pool.num_free_pages + self.cache.num_evictable_pages
 
-    def match_prefix(self, seq_id: str, token_ids: list[int]) -> int:
+    def match_prefix(self, seq_id: str, token_ids: list[int], provenance: str = EXACT) -> int:
         """Start ``seq_id``'s block table with the cached prefix of ``token_ids``; returns its tokens.
 
-        The last token is never a hit: it must be computed to sample the next one.
+        ``provenance``: besides exact pages, the approximate ones the sequence accepts (its PIC backend's spec;
+        ``EXACT``: none). The last token is never a hit: it must be computed to sample the next one.
         """
         if seq_id in self.block_tables:
             raise KVCacheError(f"sequence {seq_id!r} already has a block table")
         usable = token_ids[: len(token_ids) - 1]
-        match = self.cache.radix.match_prefix(usable)
+        match = self.cache.radix.match_prefix(usable, provenance)
+        if provenance:
+            self._provenance[seq_id] = provenance
+        if match.num_exact_pages < len(match.pages):
+            self._exact_limit[seq_id] = match.num_exact_pages * self.page_size
         self.cache.radix.inc_lock_ref(match.last_node)
         last, promoted = self.cache.promote_prefix(match.last_node, usable[len(match.pages) * self.page_size:])
         pages = match.pages + promoted
@@ -54,22 +70,34 @@ class PrefixCachingKVCacheManager(KVCacheManager):
         match = self.cache.radix.match_prefix(usable)
         return self.cache.loading(match.last_node, usable[len(match.pages) * self.page_size:])
 
-    def cache_pages(self, seq_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
-        """Insert the pages ``seq_id`` has filled since the last call into the prefix tree."""
+    def cache_pages(self, seq_id: str, token_ids: list[int], num_computed_tokens: int,
+                    exact_tokens: int = ALL_EXACT) -> None:
+        """Insert the pages ``seq_id`` has filled since the last call into the prefix tree.
+
+        ``exact_tokens``: the sequence's K/V is exact only before this token (lowers its exact limit for good).
+        """
+        if exact_tokens < self._exact_limit.get(seq_id, ALL_EXACT):
+            self._exact_limit[seq_id] = exact_tokens
         num_full = num_computed_tokens // self.page_size
+        num_exact = min(num_full, self._exact_limit.get(seq_id, ALL_EXACT) // self.page_size)
+        provenance = self._provenance.get(seq_id)
         done = self._num_cached_pages.get(seq_id, 0)
-        if num_full <= done:
-            return
-        node = self._locked.get(seq_id, self.cache.radix.root)
-        tokens = token_ids[done * self.page_size: num_full * self.page_size]
-        last = self.cache.insert_prefix(node, tokens, self.block_tables[seq_id][done:num_full])
-        self.cache.radix.dec_lock_ref(node)
-        self._locked[seq_id] = last
-        self._num_cached_pages[seq_id] = num_full
+        parts = [(done, num_exact, EXACT), (max(done, num_exact), num_full if provenance else 0, provenance)]
+        for start, end, kind in parts:
+            if end <= start:
+                continue
+            node = self._locked.get(seq_id, self.cache.radix.root)
+            tokens = token_ids[start * self.page_size: end * self.page_size]
+            last = self.cache.insert_prefix(node, tokens, self.block_tables[seq_id][start:end], kind)
+            self.cache.radix.dec_lock_ref(node)
+            self._locked[seq_id] = last
+            self._num_cached_pages[seq_id] = end
 
     def free(self, seq_id: str) -> None:
         node = self._locked.pop(seq_id, None)
         self._num_cached_pages.pop(seq_id, None)
+        self._provenance.pop(seq_id, None)
+        self._exact_limit.pop(seq_id, None)
         if node is not None:
             self.cache.radix.dec_lock_ref(node)
         super().free(seq_id)

@@ -3,6 +3,14 @@
 Each node below the root holds exactly one full page: its ``page_size`` token ids, the device page
 with their K/V, and a ``block_hash`` chained on its parent's (so equal hashes mean equal prefixes).
 
+Provenance: a node's ``provenance`` is ``EXACT`` ("") when its K/V is what a plain prefill computes, else the
+spec of the PIC backend whose combine approximated it. Approximation spreads down a chain (a later token attends
+to the approximate ones), so an exact node's children are exact or approximate, an approximate node's children
+have its provenance. Children are keyed by (provenance, tokens): the same page may be cached once exact and once
+per backend. ``match_prefix`` follows exact children only, unless it is given a provenance it also accepts; an
+approximate node's ``block_hash`` mixes its provenance in, so no one who hashes token ids alone (the cluster
+router) ever names approximate KV as an exact prefix.
+
 Invariants:
 - the tree holds one reference (``PagePool.ref_cnt``) on every page it caches; a request that uses
   cached pages takes its own reference and locks the deepest node it uses;
@@ -25,9 +33,13 @@ from nebula_engine.kvcache.events import CacheKind, EventLog
 from nebula_engine.kvcache.pool import KVCacheError, PagePool
 
 
-def block_hash(parent_hash: str, tokens: tuple[int, ...]) -> str:
-    """Key of one page: chained on everything before it, so it names the whole prefix."""
-    return xxhash.xxh3_128_hexdigest(parent_hash.encode() + np.asarray(tokens, dtype=np.int64).tobytes())
+EXACT = ""  # provenance of K/V a plain prefill computes
+
+
+def block_hash(parent_hash: str, tokens: tuple[int, ...], provenance: str = EXACT) -> str:
+    """Key of one page: chained on everything before it, so it names the whole prefix (and how it was made)."""
+    tag = f"approx:{len(provenance)}:{provenance}:".encode() if provenance else b""
+    return xxhash.xxh3_128_hexdigest(parent_hash.encode() + tag + np.asarray(tokens, dtype=np.int64).tobytes())
 
 
 def root_hash(model_id: str) -> str:
@@ -40,7 +52,8 @@ class TreeNode:
     page: int
     block_hash: str
     parent: TreeNode | None
-    children: dict[tuple[int, ...], TreeNode] = field(default_factory=dict)
+    provenance: str = EXACT
+    children: dict[tuple[str, tuple[int, ...]], TreeNode] = field(default_factory=dict)  # by ``key``
     lock_ref: int = 0
     last_access: int = 0
 
@@ -48,11 +61,16 @@ class TreeNode:
     def is_root(self) -> bool:
         return self.page < 0
 
+    @property
+    def key(self) -> tuple[str, tuple[int, ...]]:
+        return self.provenance, self.tokens
+
 
 @dataclass(frozen=True)
 class MatchResult:
     pages: list[int]  # cached pages of the prefix, in order; safe only while last_node is locked
     last_node: TreeNode
+    num_exact_pages: int  # the leading pages whose K/V is exact; the rest has ``last_node.provenance``
 
 
 class RadixCache:
@@ -77,38 +95,47 @@ class RadixCache:
     def total_size(self) -> int:
         return self.evictable_size + self.protected_size
 
-    def match_prefix(self, token_ids: list[int]) -> MatchResult:
-        """Longest cached page-aligned prefix of ``token_ids``; marks its path recently used."""
-        node, pages = self.root, []
+    def match_prefix(self, token_ids: list[int], accept: str = EXACT) -> MatchResult:
+        """Longest cached page-aligned prefix of ``token_ids`` made of exact K/V, continued by K/V of provenance
+        ``accept`` where no exact page goes on (``EXACT``: exact only); marks its path recently used."""
+        node, pages, num_exact = self.root, [], 0
         stamp = next(self._clock)
         for start in range(0, len(token_ids) - self.page_size + 1, self.page_size):
-            child = node.children.get(tuple(token_ids[start:start + self.page_size]))
+            tokens = tuple(token_ids[start:start + self.page_size])
+            child = node.children.get((EXACT, tokens))
+            if child is None and accept:
+                child = node.children.get((accept, tokens))
             if child is None:
                 break
             node = child
             pages.append(node.page)
+            num_exact += not node.provenance
             self._touch(node, stamp)
-        return MatchResult(pages, node)
+        return MatchResult(pages, node, num_exact)
 
-    def insert(self, node: TreeNode, token_ids: list[int], pages: list[int], promoted: bool = False) -> TreeNode:
+    def insert(self, node: TreeNode, token_ids: list[int], pages: list[int], promoted: bool = False,
+               provenance: str = EXACT) -> TreeNode:
         """Cache full pages that continue ``node``'s prefix; returns the node of the last page.
 
-        ``token_ids`` covers ``len(pages)`` full pages. A page already cached keeps the tree's copy
-        (the caller's duplicate stays the caller's); a new one gets the tree's own reference.
+        ``token_ids`` covers ``len(pages)`` full pages, all of ``provenance``. A page already cached keeps the
+        tree's copy (the caller's duplicate stays the caller's); a new one gets the tree's own reference.
         ``promoted``: the pages came back from a lower tier, whose move event already says so.
         """
         if len(token_ids) != len(pages) * self.page_size:
             raise KVCacheError(f"{len(token_ids)} tokens do not fill {len(pages)} pages of {self.page_size}")
+        if node.provenance and pages and provenance != node.provenance:
+            raise KVCacheError(f"K/V of provenance {provenance or 'exact'!r} cannot continue approximate K/V "
+                               f"of {node.provenance!r}")
         stamp = next(self._clock)
         parent_key = None
         new_keys: list[str] = []
         for index, page in enumerate(pages):
             tokens = tuple(token_ids[index * self.page_size:(index + 1) * self.page_size])
-            child = node.children.get(tokens)
+            child = node.children.get((provenance, tokens))
             if child is None:  # once a page is missing, every later page is new: one chain
                 if not new_keys:
                     parent_key = None if node.is_root else node.block_hash
-                child = self._add_child(node, tokens, page)
+                child = self._add_child(node, tokens, page, provenance)
                 new_keys.append(child.block_hash)
             node = child
             self._touch(node, stamp)
@@ -118,10 +145,10 @@ class RadixCache:
             self.events.store(CacheKind.PC, tuple(new_keys), len(new_keys) * self.page_size, parent_key=parent_key)
         return node
 
-    def _add_child(self, parent: TreeNode, tokens: tuple[int, ...], page: int) -> TreeNode:
+    def _add_child(self, parent: TreeNode, tokens: tuple[int, ...], page: int, provenance: str) -> TreeNode:
         self.pool.share([page])
-        child = TreeNode(tokens, page, block_hash(parent.block_hash, tokens), parent)
-        parent.children[tokens] = child
+        child = TreeNode(tokens, page, block_hash(parent.block_hash, tokens, provenance), parent, provenance)
+        parent.children[child.key] = child
         self._num_nodes += 1
         self.evictable_size += self.page_size
         return child
@@ -175,7 +202,7 @@ class RadixCache:
             return None
         heapq.heappop(self._heap)
         parent = node.parent
-        del parent.children[node.tokens]
+        del parent.children[node.key]
         self._num_nodes -= 1
         self.evictable_size -= self.page_size
         node.parent = None
@@ -202,10 +229,13 @@ class RadixCache:
         seen_pages, evictable, protected = set(), 0, 0
         for node in self.nodes():
             parent = node.parent
-            if parent.children.get(node.tokens) is not node or len(node.tokens) != self.page_size:
+            if parent.children.get(node.key) is not node or len(node.tokens) != self.page_size:
                 raise KVCacheError(f"node {node.block_hash} is not its parent's child for its page")
-            if node.block_hash != block_hash(parent.block_hash, node.tokens):
+            if node.block_hash != block_hash(parent.block_hash, node.tokens, node.provenance):
                 raise KVCacheError(f"node {node.block_hash} has a hash that does not chain on its parent")
+            if parent.provenance and node.provenance != parent.provenance:
+                raise KVCacheError(f"node {node.block_hash} ({node.provenance or 'exact'}) continues approximate "
+                                   f"K/V of {parent.provenance!r}")
             if node.lock_ref < max((c.lock_ref for c in node.children.values()), default=0):
                 raise KVCacheError(f"node {node.block_hash} is locked less than a descendant")
             if node.page in seen_pages or self.pool.ref_cnt[node.page] < 1:

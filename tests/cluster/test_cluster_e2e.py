@@ -101,6 +101,29 @@ def test_segment_cached_on_one_peer_is_reused_on_another_via_nixl(cluster, model
     assert remote["choices"][0]["text"] == local.outputs[0].text
 
 
+@pytest.mark.parametrize("prefill_peer", ["prefill-0", None], ids=["pinned", "routed"])
+def test_pic_off_request_after_a_pic_one_returns_plain_greedy_tokens(cluster, model_dir, prefill_peer):
+    """Issue #12 point 4 across the cluster: the blended K/V a PIC request leaves in a peer's prefix cache never
+    answers a PIC-off request with the same prompt, on that peer (pinned) or wherever the router sends it."""
+    seed = 3 if prefill_peer else 4
+    segments = rag_segments([31 + seed] * 8, documents(seed=seed, count=3), [32, 33, 34, 35, 36])
+    pinned = {"prefill_peer": prefill_peer} if prefill_peer else {}
+    url = cluster.urls["decode-0"]
+    status, body = post(url, "/v1/completions", completion(model_dir, segments, pic_backend="naive", **pinned))
+    assert status == 200, body
+    assert body["usage"]["nebula"]["pic_cached_tokens"] == 72 and body["usage"]["nebula"]["recomputed_tokens"] == 0
+    status, exact = post(url, "/v1/completions", completion(model_dir, segments, pic_backend=None, **pinned))
+    assert status == 200, exact
+    assert exact["usage"]["nebula"]["pic_cached_tokens"] == 0
+    assert exact["usage"]["nebula"]["prefix_cached_tokens"] <= 8  # at most the exact system prompt's pages
+
+    plain = LLM(model_dir, enable_prefix_caching=False, **ENGINE)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    reference = plain.generate({"prompt_token_ids": [t for s in segments for t in s["token_ids"]]}, params,
+                               pic_backend=None)[0]
+    assert exact["choices"][0]["text"] == reference.outputs[0].text
+
+
 def test_cold_segments_of_one_request_are_prefilled_on_several_peers(cluster, model_dir):
     misses = {name: cluster.state(name)["pic"]["segment_misses"] for name in ("prefill-0", "prefill-1")}
     docs = documents(seed=2, count=6, length=40)

@@ -206,7 +206,7 @@ class CacheStoreMachine(RuleBasedStateMachine):
         for node, pages in self.held_pc:
             path = []
             while not node.is_root:
-                assert node.parent.children.get(node.tokens) is node
+                assert node.parent.children.get(node.key) is node
                 path.append(node.page)
                 node = node.parent
             assert path[::-1] == pages

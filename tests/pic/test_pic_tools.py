@@ -137,7 +137,8 @@ def test_quality_runs_a_local_checkpoint_given_with_model(tmp_path):
     from nebula_engine.model.tiny import make_tiny_checkpoint
 
     checkpoint = make_tiny_checkpoint("qwen3", tmp_path / "ckpt", seed=3)
-    report = import_tool("pic_quality").main(["--model", str(checkpoint), "--system-len", "4", "--num-docs", "2",
+    report = import_tool("pic_quality").main(["--model", str(checkpoint), "--prompts", "random",
+                                              "--system-len", "4", "--num-docs", "2",
                                               "--doc-len", "8", "--question-len", "4", "--num-prompts", "1",
                                               "--steps", "2", "--backend", "full", "--threads", "1"])
     assert report["caveat"] is None  # real weights are the user's claim; the tiny-model caveat is not printed

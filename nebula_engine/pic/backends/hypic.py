@@ -37,6 +37,18 @@ class HYPIC(PICBackend):
         if not isinstance(self.seam, int) or self.seam < 1:
             raise ValueError(f"hypic: seam must be a positive integer, got {self.seam!r}")
 
+    def check_model(self, model: nn.Module) -> None:
+        """The seam must hold a cached tail's whole conv window: with fewer than ``conv_kernel - 1`` recomputed
+        tokens, the tail's first convolutions read tokens before the segment, which differ between the isolated
+        prefill its map was computed in and the request (so even the first linear layer would be wrong)."""
+        super().check_model(model)
+        window = max((layer.linear_attn.cfg.conv_kernel - 1 for layer in model.model.layers
+                      if getattr(layer, "is_linear", False)), default=0)
+        if self.seam < window:
+            raise ValueError(f"hypic: seam={self.seam} is below conv_kernel - 1 = {window} of this model's "
+                             f"linear-attention layers; the seam must cover a cached tail's conv window "
+                             f"(use seam >= {window})")
+
     @property
     def cache_format(self) -> str:
         return f"hypic-seam{self.seam}"  # the cached maps cover the tokens after the seam

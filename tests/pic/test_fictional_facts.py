@@ -1,0 +1,28 @@
+"""The fictional-fact RAG prompts of tools/pic_quality.py --prompts facts: answerable only from their documents."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+from fictional_facts import QUESTIONS, FactPrompt  # noqa: E402
+
+
+def test_each_prompt_asks_one_fact_stated_in_exactly_one_moved_document():
+    for seed in range(50):
+        prompt = FactPrompt.random(seed)
+        assert 4 <= len(prompt.organisations) <= 6 and prompt.order != tuple(sorted(prompt.order))
+        assert sorted(prompt.order) == list(range(len(prompt.organisations)))
+        holders = [doc for doc in prompt.documents if prompt.answer in doc]
+        assert prompt.documents[prompt.asked] in holders and prompt.fact in QUESTIONS
+        user = prompt.messages()[1]["content"]
+        assert user.count("<pic>") == len(prompt.organisations) and user.endswith(prompt.question)
+        assert user.index(prompt.documents[prompt.order[0]]) < user.index(prompt.documents[prompt.order[1]])
+
+
+def test_answers_are_checked_case_insensitively_in_the_reply():
+    prompt = FactPrompt.random(3)
+    assert prompt.is_correct(f"It is {prompt.answer.upper()}.") and not prompt.is_correct("I do not know.")
+
+
+def test_prompts_are_reproducible_from_their_seed():
+    assert FactPrompt.random(7) == FactPrompt.random(7) and FactPrompt.random(7) != FactPrompt.random(8)
