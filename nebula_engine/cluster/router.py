@@ -106,6 +106,7 @@ class RouterService:
                 self.deliver(peer, wire.PCShare(sender=self.name, pc_share=decision.pc_share))
         home_name = self.prefill_peers[plan.combine_home]
         sources, local_tasks, flight = [], [], InFlight(msg, attempt, plan.combine_home, plan.combine_task_id)
+        computed = {s.key for s in plan.segments if s.action is Action.COMPUTE}
         for segment in plan.segments:
             pic_index = keys.pic_indices.index(segment.index)
             holder = self.prefill_peers[segment.worker]
@@ -118,7 +119,7 @@ class RouterService:
             elif segment.action is Action.COMPUTE:
                 local_tasks.append(segment.task_id)
             if segment.action in (Action.COMPUTE, Action.REUSE) and segment.worker != plan.combine_home:
-                sources.append(wire.SourceSpec(pic_index, segment.key, holder))
+                sources.append(wire.SourceSpec(pic_index, segment.key, holder, segment.key in computed))
         decode = "" if self.decode_here or not self._live_decode_peers() else self._live_decode_peers()[0]
         flight.tasks.update([plan.combine_task_id, *local_tasks])
         self.in_flight[msg.request_id] = flight

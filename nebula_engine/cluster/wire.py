@@ -71,6 +71,7 @@ class SourceSpec(msgspec.Struct, array_like=True):
     segment_index: int
     key: str
     peer: str  # holder to fetch from ("" = this worker: local hit or compute here)
+    fresh: bool = False  # the holder prefills it for this request (a scatter): reading it is no cache hit
 
 
 class Combine(Msg):
@@ -146,7 +147,7 @@ class Handoff(Msg):
     first_logprob: float
     params: Params
     pages: list[int]  # on the sender, holding the prompt's K/V
-    cached: list[int]  # prefix, PIC, recomputed token counts
+    cached: list[int]  # prefix, PIC, recomputed token counts, then the cache hits (KV that existed before it)
 
 
 class HandoffDone(Msg):
@@ -163,7 +164,7 @@ class Output(Msg):
     finished: bool
     finish_reason: str | None
     stop_reason: str | int | None
-    cached: list[int]  # prefix, PIC, recomputed token counts
+    cached: list[int]  # prefix, PIC, recomputed token counts, then the cache hits (KV that existed before it)
     handoff_to: str = ""  # the decode peer this request moves to next: it carries the request from now on
 
 

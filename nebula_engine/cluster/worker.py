@@ -36,6 +36,7 @@ from nebula_engine.engine.outputs import RequestOutput
 from nebula_engine.engine.sampling_params import SamplingParams
 from nebula_engine.kvcache.events import CacheKind, EvictEvent, MoveEvent, StoreEvent
 from nebula_engine.kvcache.pool import OutOfPagesError
+from nebula_engine.pic.layout import CombineLayout
 from nebula_engine.pic.segments import PromptSegment, SegmentedPrompt, SegmentKind
 
 logger = logging.getLogger(__name__)
@@ -70,14 +71,26 @@ def engine_request_id(request_id: str, attempt: int) -> str:
 
 
 def output_to_wire(sender: str, request_id: str, output: RequestOutput, attempt: int,
-                   handoff_to: str = "") -> wire.Output:
+                   handoff_to: str = "", fresh_tokens: int = 0) -> wire.Output:
+    """``fresh_tokens``: PIC tokens the engine found in its store only because this request had them prefilled on
+    another peer and read them here; they are no cache hits."""
     completion = output.outputs[0]
+    hits = max(output.num_prefix_cached_tokens, output.num_cached_tokens - fresh_tokens)
     return wire.Output(sender=sender, request_id=request_id, attempt=attempt, text=completion.text,
                        token_ids=list(completion.token_ids), logprobs=list(completion.logprobs),
                        finished=output.finished, finish_reason=completion.finish_reason,
                        stop_reason=completion.stop_reason,
                        cached=[output.num_prefix_cached_tokens, output.num_pic_cached_tokens,
-                               output.num_recomputed_tokens], handoff_to=handoff_to)
+                               output.num_recomputed_tokens, hits], handoff_to=handoff_to)
+
+
+def reused_tokens(segmented: SegmentedPrompt, prefix_len: int, indices: set[int]) -> int:
+    """Tokens of the PIC segments ``indices`` that a combine after a ``prefix_len`` prefix reuses."""
+    if not indices:
+        return 0
+    segments = segmented.pic_segments
+    return CombineLayout.plan(len(segmented.token_ids), prefix_len, [(s.start, s.length) for s in segments],
+                              [i in indices for i in range(len(segments))]).num_reused
 
 
 def _state_bytes(state: dict) -> bytes:
@@ -168,12 +181,13 @@ class WorkerService:
             params = params_from_wire(msg.params)
             backend = backend_arg(msg.pic_backend)
             remote = [s for s in msg.sources if s.peer and s.peer != self.name]
-            if remote:
-                await asyncio.gather(*(self._fetch(s, segmented, msg.pic_backend) for s in remote))
+            copied = await asyncio.gather(*(self._fetch(s, segmented, msg.pic_backend) for s in remote))
+            copied_keys = {s.key for s, ok in zip(remote, copied) if ok}
+            fresh = {s.segment_index for s in remote if s.fresh and s.key in copied_keys}
             if msg.decode_peer and msg.decode_peer != self.name and self.liveness.alive(msg.decode_peer):
-                await self._prefill_and_hand_off(msg, segmented, params, backend)
+                await self._prefill_and_hand_off(msg, segmented, params, backend, fresh)
             else:
-                await self._serve_locally(msg, segmented, params, backend)
+                await self._serve_locally(msg, segmented, params, backend, fresh)
             self._report_prompt_cached(segmented, msg.pic_backend)
         except ValueError as error:  # (the request's own fault: bad backend for this model, ...)
             self._fail(msg, str(error), client_error=True)
@@ -194,24 +208,29 @@ class WorkerService:
         self.send(msg.frontend, wire.Failed(sender=self.name, request_id=msg.request_id, attempt=msg.attempt,
                                             message=message, client_error=client_error, resumable=resumable))
 
-    async def _serve_locally(self, msg: wire.Combine, segmented, params, backend) -> None:
+    async def _serve_locally(self, msg: wire.Combine, segmented, params, backend, fresh: set[int]) -> None:
         engine_id = engine_request_id(msg.request_id, msg.attempt)
         async for output in self.engine.generate(engine_id, segmented, params, backend):
-            self.send(msg.frontend, output_to_wire(self.name, msg.request_id, output, msg.attempt))
+            fresh_tokens = reused_tokens(segmented, output.num_prefix_cached_tokens, fresh)
+            self.send(msg.frontend, output_to_wire(self.name, msg.request_id, output, msg.attempt,
+                                                   fresh_tokens=fresh_tokens))
 
-    async def _prefill_and_hand_off(self, msg: wire.Combine, segmented, params, backend) -> None:
+    async def _prefill_and_hand_off(self, msg: wire.Combine, segmented, params, backend, fresh: set[int]) -> None:
         engine_id = engine_request_id(msg.request_id, msg.attempt)
         first = await self.engine.generate_held(engine_id, segmented, replace(params, max_tokens=1), backend)
+        fresh_tokens = reused_tokens(segmented, first.num_prefix_cached_tokens, fresh)
         completion = first.outputs[0]
         done_here = completion.finish_reason == "stop" or params.max_tokens == 1
         if done_here:  # finished on its first token: nothing to hand off
             await self.engine.call(lambda e: e.release_held(engine_id))
-            self.send(msg.frontend, output_to_wire(self.name, msg.request_id, first, msg.attempt))
+            self.send(msg.frontend, output_to_wire(self.name, msg.request_id, first, msg.attempt,
+                                                   fresh_tokens=fresh_tokens))
             return
         first.finished = False
         first.outputs[0].finish_reason = None
-        self.send(msg.frontend, output_to_wire(self.name, msg.request_id, first, msg.attempt,  # TTFT
-                                               handoff_to=msg.decode_peer))
+        first_wire = output_to_wire(self.name, msg.request_id, first, msg.attempt, handoff_to=msg.decode_peer,
+                                    fresh_tokens=fresh_tokens)
+        self.send(msg.frontend, first_wire)  # TTFT
         pages = await self.engine.call(lambda e: e.held_block_table(engine_id))
         handoff_done = asyncio.get_running_loop().create_future()
         self._handoffs[engine_id] = handoff_done
@@ -219,7 +238,7 @@ class WorkerService:
             sender=self.name, request_id=msg.request_id, attempt=msg.attempt, frontend=msg.frontend,
             prompt_token_ids=list(first.prompt_token_ids), first_token=completion.token_ids[0],
             first_logprob=completion.logprobs[0], params=msg.params, pages=pages,
-            cached=[first.num_prefix_cached_tokens, first.num_pic_cached_tokens, first.num_recomputed_tokens]))
+            cached=list(first_wire.cached)))
         try:
             outcome = await self._unless_dead(handoff_done, msg.decode_peer, HANDOFF_TIMEOUT_S)
         finally:
@@ -248,9 +267,9 @@ class WorkerService:
             future.set_result(True)
 
     # ---- remote segments ----
-    async def _fetch(self, source: wire.SourceSpec, segmented: SegmentedPrompt, spec: str | None) -> None:
-        """Copy segment ``source`` from its holder into the local PIC store; on any failure it stays
-        uncached here and the combine computes it."""
+    async def _fetch(self, source: wire.SourceSpec, segmented: SegmentedPrompt, spec: str | None) -> bool:
+        """Copy segment ``source`` from its holder into the local PIC store; True when it was copied. On any
+        failure it stays uncached here and the combine computes it."""
         segment = segmented.pic_segments[source.segment_index]
         ids = list(segmented.segment_ids(segment))
         tag = f"{self.name}/{next(self._tags)}"
@@ -265,16 +284,16 @@ class WorkerService:
         if outcome != "done":
             self.transfer_failures += 1
             logger.warning("no pin reply from %s for %s (%s): computing it here", source.peer, source.key, outcome)
-            return
+            return False
         reply = reply_future.result()
         if not reply.ok:
-            return
+            return False
         try:
-            await self._copy_in(source, ids, reply)
+            return await self._copy_in(source, ids, reply)
         finally:
             self.send(source.peer, wire.Unpin(sender=self.name, key=source.key))
 
-    async def _copy_in(self, source: wire.SourceSpec, ids: list[int], reply: wire.PinReply) -> None:
+    async def _copy_in(self, source: wire.SourceSpec, ids: list[int], reply: wire.PinReply) -> bool:
         def allocate(engine: LLMEngine):
             if engine.cache_store.pic.lookup(source.key) is not None:
                 return None  # it arrived here meanwhile
@@ -285,7 +304,7 @@ class WorkerService:
 
         pages = await self.engine.call(allocate)
         if pages is None:
-            return
+            return False
         try:
             moved = await asyncio.to_thread(self.agent.read_pages, source.peer, reply.pages, pages,
                                             TRANSFER_TIMEOUT_S)
@@ -294,7 +313,7 @@ class WorkerService:
             self.transfer_failures += 1
             logger.warning("reading %s from %s failed (%s): it will be recomputed", source.key, source.peer, error)
             await self.engine.call(lambda e: e.cache_store.pool.release(pages))
-            return
+            return False
         state = _state_from_bytes(reply.state)
 
         def insert(engine: LLMEngine) -> None:
@@ -303,6 +322,7 @@ class WorkerService:
             engine.cache_store.pool.release(pages)  # the store holds its own reference
 
         await self.engine.call(insert)
+        return True
 
     async def on_pin(self, msg: wire.PinSegment) -> None:
         def pin(engine: LLMEngine):

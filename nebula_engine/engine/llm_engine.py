@@ -177,11 +177,14 @@ class LLMEngine:
             self.scheduler.kv_cache.free(request_id)
 
     def add_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token: int, first_logprob: float,
-                      params: SamplingParams, cached: tuple[int, int, int] = (0, 0, 0)) -> RequestOutput:
+                      params: SamplingParams, cached: tuple[int, ...] = (0, 0, 0)) -> RequestOutput:
         """Continue a request prefilled elsewhere: its prompt K/V is in the reserved pages, its first token was
-        sampled there. Returns the output after that first token (it may already be finished)."""
+        sampled there. Returns the output after that first token (it may already be finished). ``cached``: the
+        prefix, PIC and recomputed token counts, then optionally the cache hits (default: prefix + PIC)."""
         seq = Sequence(request_id, prompt_token_ids, params)
-        seq.num_prefix_cached_tokens, seq.num_pic_cached_tokens, seq.num_recomputed_tokens = cached
+        seq.num_prefix_cached_tokens, seq.num_pic_cached_tokens, seq.num_recomputed_tokens = cached[:3]
+        hits = cached[3] if len(cached) > 3 else cached[0] + cached[1]
+        seq.num_pic_hit_tokens = hits - seq.num_prefix_cached_tokens
         seq.num_computed_tokens = len(prompt_token_ids)
         self._sequences[request_id] = seq
         self.output_processor.add(seq)

@@ -60,7 +60,7 @@ class OutputProcessor:
         completion = CompletionOutput(0, text, seq.output_token_ids, list(seq.output_logprobs),
                                       seq.finish_reason, seq.stop_reason)
         return RequestOutput(seq.seq_id, seq.prompt, seq.prompt_token_ids, [completion], finished=finished,
-                             num_cached_tokens=seq.num_prefix_cached_tokens + seq.num_pic_cached_tokens,
+                             num_cached_tokens=seq.num_cached_tokens,
                              num_prefix_cached_tokens=seq.num_prefix_cached_tokens,
                              num_pic_cached_tokens=seq.num_pic_cached_tokens,
                              num_recomputed_tokens=seq.num_recomputed_tokens)

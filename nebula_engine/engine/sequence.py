@@ -29,6 +29,8 @@ class Sequence:
         self.num_prefix_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
         self.num_pic_cached_tokens = 0  # prompt tokens taken from the PIC store (combine prefill)
         self.num_recomputed_tokens = 0  # of those, the ones the PIC backend recomputed
+        # of num_pic_cached_tokens, those whose KV existed before this request (not prefilled for it): cache hits
+        self.num_pic_hit_tokens = 0
         self.status = SequenceStatus.WAITING
         self.output_logprobs: list[float] = []
         self.finish_reason: str | None = None
@@ -48,7 +50,8 @@ class Sequence:
 
     @property
     def num_cached_tokens(self) -> int:
-        return self.num_prefix_cached_tokens + self.num_pic_cached_tokens
+        """Prompt tokens served from KV that existed before this request (the cache hits)."""
+        return self.num_prefix_cached_tokens + self.num_pic_hit_tokens
 
     @property
     def num_tokens(self) -> int:

@@ -83,12 +83,14 @@ def test_segment_cached_on_one_peer_is_reused_on_another_via_nixl(cluster, model
     first = completion(model_dir, rag_segments(system_a, docs, question), prefill_peer="prefill-0")
     status, body = post(url, "/v1/completions", first)
     assert status == 200, body
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # its segments were prefilled for it
     before = cluster.state("prefill-1")["transfer_bytes"]
     permuted = rag_segments(system_b, docs[::-1], question)
     status, remote = post(url, "/v1/completions", completion(model_dir, permuted, prefill_peer="prefill-1"))
     assert status == 200, remote
     assert cluster.state("prefill-1")["transfer_bytes"] > before  # the segments came from prefill-0
     assert remote["usage"]["nebula"]["pic_cached_tokens"] == 72
+    assert remote["usage"]["prompt_tokens_details"]["cached_tokens"] == 72  # read from KV that existed before
     assert cluster.state("prefill-1")["pic"]["segment_misses"] == 0
 
     # the same two requests on one engine: local reuse gives the same tokens
@@ -110,6 +112,8 @@ def test_cold_segments_of_one_request_are_prefilled_on_several_peers(cluster, mo
     grown = {name: cluster.state(name)["pic"]["segment_misses"] - misses[name] for name in misses}
     assert sum(grown.values()) == 6 and all(count > 0 for count in grown.values()), grown
     assert body["usage"]["nebula"]["pic_cached_tokens"] == 240
+    # the combine reused the scattered segments, but they were prefilled for this request: no cache hit
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
 def test_openai_client_streams_a_chat_with_pic_tags(cluster, model_dir):
