@@ -121,13 +121,16 @@ class RouterService:
             if segment.action in (Action.COMPUTE, Action.REUSE) and segment.worker != plan.combine_home:
                 sources.append(wire.SourceSpec(pic_index, segment.key, holder, segment.key in computed))
         decode = "" if self.decode_here or not self._live_decode_peers() else self._live_decode_peers()[0]
+        remote_prefix = plan.prefix is not None and plan.prefix.worker != plan.combine_home
         flight.tasks.update([plan.combine_task_id, *local_tasks])
         self.in_flight[msg.request_id] = flight
         self.num_planned += 1
         self.deliver(home_name, wire.Combine(
             sender=self.name, task_id=plan.combine_task_id, request_id=msg.request_id, attempt=attempt,
             frontend=msg.sender, token_ids=msg.token_ids, segments=msg.segments, params=msg.params,
-            pic_backend=spec, sources=sources, local_task_ids=local_tasks, decode_peer=decode))
+            pic_backend=spec, sources=sources, local_task_ids=local_tasks, decode_peer=decode,
+            prefix_peer=self.prefill_peers[plan.prefix.worker] if remote_prefix else "",
+            prefix_tokens=plan.prefix.num_tokens if remote_prefix else 0))
 
     def _live_decode_peers(self) -> list[str]:
         return [p for p in self.decode_peers if p not in self.dead]

@@ -86,6 +86,8 @@ class Combine(Msg):
     sources: list[SourceSpec]
     local_task_ids: list[str]  # scatter tasks planned on this worker itself: done when the combine is
     decode_peer: str  # "" = decode here
+    prefix_peer: str = ""  # a peer holding the prompt's first ``prefix_tokens`` in its prefix cache: read them
+    prefix_tokens: int = 0
 
 
 class SnapshotRequest(Msg):
@@ -125,6 +127,17 @@ class PinSegment(Msg):
     key: str
     num_tokens: int
     wait_s: float  # how long to wait for the segment to appear (a scatter prefill may be on its way)
+
+
+class PinPrefix(Msg):
+    """Pin the longest cached page-aligned prefix of ``token_ids`` in the receiver's prefix cache."""
+
+    tag: str
+    token_ids: list[int]
+
+
+class UnpinPrefix(Msg):
+    tag: str
 
 
 class PinReply(Msg):
@@ -181,7 +194,7 @@ class Abort(Msg):
 
 
 MESSAGE = (Hello | Heartbeat | Submit | NotLeader | Scatter | Combine | SnapshotRequest | PCShare | CacheEventMsg
-           | TaskDone | PinSegment | PinReply | Unpin | Handoff | HandoffDone | Output | Failed | Abort)
+           | TaskDone | PinSegment | PinPrefix | PinReply | Unpin | UnpinPrefix | Handoff | HandoffDone | Output | Failed | Abort)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(MESSAGE)

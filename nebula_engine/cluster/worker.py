@@ -119,6 +119,7 @@ class WorkerService:
         self._appeared: dict[str, asyncio.Event] = {}  # PIC key -> set when a task computing it here is done
         self._computing: dict[str, int] = {}  # PIC key -> tasks (scatter or combine) computing it here
         self._pinned: dict[str, list] = {}  # key -> locked entries pinned for remote readers
+        self._pinned_prefixes: dict[tuple[str, str], Any] = {}  # (reader, tag) -> locked radix node
         self._handoffs: dict[str, asyncio.Future] = {}  # request id -> done when the decode peer has read
         self._streams: dict[str, asyncio.Task] = {}  # request id -> task serving it here
         self._pc_page_keys: dict[str, set[str]] = {}  # radix page hash -> segment chain keys ending in it
@@ -181,7 +182,10 @@ class WorkerService:
             params = params_from_wire(msg.params)
             backend = backend_arg(msg.pic_backend)
             remote = [s for s in msg.sources if s.peer and s.peer != self.name]
-            copied = await asyncio.gather(*(self._fetch(s, segmented, msg.pic_backend) for s in remote))
+            prefix_read = self._fetch_prefix(msg) if msg.prefix_peer and msg.prefix_peer != self.name else None
+            copied, _ = await asyncio.gather(
+                asyncio.gather(*(self._fetch(s, segmented, msg.pic_backend) for s in remote)),
+                prefix_read or asyncio.sleep(0))
             copied_keys = {s.key for s, ok in zip(remote, copied) if ok}
             fresh = {s.segment_index for s in remote if s.fresh and s.key in copied_keys}
             if msg.decode_peer and msg.decode_peer != self.name and self.liveness.alive(msg.decode_peer):
@@ -323,6 +327,87 @@ class WorkerService:
 
         await self.engine.call(insert)
         return True
+
+    async def _fetch_prefix(self, msg: wire.Combine) -> bool:
+        """Copy the prompt's first ``msg.prefix_tokens`` tokens' pages from ``msg.prefix_peer``'s prefix cache into
+        this peer's (as its own prefill would have cached them); the engine then finds them as a prefix hit. What
+        is already cached here is not read again; on any failure the prefix is simply computed."""
+        page_size = self.engine.engine.cache_store.page_size
+        # the last prompt token is always computed: a prefix covering the whole prompt is cut a page short
+        num_pages = min(msg.prefix_tokens, len(msg.token_ids) - 1) // page_size
+        wanted = list(msg.token_ids[:num_pages * page_size])
+        held_here = await self.engine.call(lambda e: len(e.cache_store.radix.match_prefix(wanted).pages))
+        if held_here >= num_pages:
+            return False
+        tag = f"{self.name}/{next(self._tags)}"
+        reply_future = asyncio.get_running_loop().create_future()
+        self._pin_replies[tag] = reply_future
+        self.send(msg.prefix_peer, wire.PinPrefix(sender=self.name, tag=tag, token_ids=wanted))
+        try:
+            outcome = await self._unless_dead(reply_future, msg.prefix_peer, PIN_TIMEOUT_S)
+        finally:
+            self._pin_replies.pop(tag, None)
+        if outcome != "done":
+            self.transfer_failures += 1
+            logger.warning("no prefix pin reply from %s (%s): computing it here", msg.prefix_peer, outcome)
+            return False
+        reply = reply_future.result()
+        try:
+            return reply.ok and await self._copy_prefix_in(msg.prefix_peer, wanted, reply.pages)
+        finally:
+            if reply.ok:
+                self.send(msg.prefix_peer, wire.UnpinPrefix(sender=self.name, tag=tag))
+
+    async def _copy_prefix_in(self, holder: str, token_ids: list[int], remote_pages: list[int]) -> bool:
+        page_size = self.engine.engine.cache_store.page_size
+
+        def allocate(engine: LLMEngine):
+            try:
+                return engine.cache_store.pool.allocate(len(remote_pages))
+            except OutOfPagesError:
+                return None
+
+        pages = await self.engine.call(allocate)
+        if pages is None:
+            return False
+        try:
+            self.transfer_bytes += await asyncio.to_thread(self.agent.read_pages, holder, remote_pages, pages,
+                                                           TRANSFER_TIMEOUT_S)
+        except (TransferError, ValueError) as error:
+            self.transfer_failures += 1
+            logger.warning("reading a prefix from %s failed (%s): it will be recomputed", holder, error)
+            await self.engine.call(lambda e: e.cache_store.pool.release(pages))
+            return False
+
+        def insert(engine: LLMEngine) -> None:
+            store = engine.cache_store
+            last = store.insert_prefix(store.radix.root, token_ids[:len(pages) * page_size], pages)  # locked
+            store.radix.dec_lock_ref(last)
+            store.pool.release(pages)  # the tree holds its own reference to the pages it kept
+
+        await self.engine.call(insert)
+        return True
+
+    async def on_pin_prefix(self, msg: wire.PinPrefix) -> None:
+        def pin(engine: LLMEngine):
+            radix = engine.cache_store.radix
+            match = radix.match_prefix(msg.token_ids)
+            if not match.pages:
+                return None
+            radix.inc_lock_ref(match.last_node)
+            self._pinned_prefixes[(msg.sender, msg.tag)] = match.last_node
+            return list(match.pages)
+
+        pages = await self.engine.call(pin)
+        self.send(msg.sender, wire.PinReply(sender=self.name, tag=msg.tag, ok=pages is not None, pages=pages or []))
+
+    async def on_unpin_prefix(self, msg: wire.UnpinPrefix) -> None:
+        def unpin(engine: LLMEngine) -> None:
+            node = self._pinned_prefixes.pop((msg.sender, msg.tag), None)
+            if node is not None:
+                engine.cache_store.radix.dec_lock_ref(node)
+
+        await self.engine.call(unpin)
 
     async def on_pin(self, msg: wire.PinSegment) -> None:
         def pin(engine: LLMEngine):

@@ -116,6 +116,29 @@ def test_cold_segments_of_one_request_are_prefilled_on_several_peers(cluster, mo
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
+def test_a_prefix_cached_on_one_peer_is_read_over_nixl_by_a_combine_on_another(cluster, model_dir):
+    """The planner may put the combine away from the prefix holder: the home reads the prefix's pages (it does
+    not recompute them), and the answer is the one the holder itself gives."""
+    system, docs = [31] * 16, documents(seed=3, count=3)
+    status, body = post(cluster.urls["decode-0"], "/v1/completions",
+                        completion(model_dir, rag_segments(system, docs, [32, 33]), prefill_peer="prefill-0"))
+    assert status == 200, body
+    before = cluster.state("prefill-1")["transfer_bytes"]
+    follow_up = rag_segments(system, docs, [34, 35, 36])
+    status, remote = post(cluster.urls["decode-0"], "/v1/completions",
+                          completion(model_dir, follow_up, prefill_peer="prefill-1"))
+    assert status == 200, remote
+    moved = cluster.state("prefill-1")["transfer_bytes"] - before
+    assert moved > 0
+    prefix_tokens = len(system) + 24 * len(docs)  # every page of the system prompt and the documents
+    assert remote["usage"]["nebula"]["prefix_cached_tokens"] == prefix_tokens
+    assert remote["usage"]["prompt_tokens_details"]["cached_tokens"] == prefix_tokens
+    status, local = post(cluster.urls["decode-0"], "/v1/completions",
+                         completion(model_dir, follow_up, prefill_peer="prefill-0"))
+    assert status == 200, local
+    assert remote["choices"][0]["text"] == local["choices"][0]["text"]
+
+
 def test_openai_client_streams_a_chat_with_pic_tags(cluster, model_dir):
     import openai
 
