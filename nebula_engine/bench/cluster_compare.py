@@ -177,7 +177,7 @@ def plot_compare(path: Path, rows: list[dict], bound: float | None, title: str) 
     cdf.set_title(title, fontsize=9)
     names = [row["policy"] for row in rows]
     ratios = [row["cache_hit_ratio"] * 100 for row in rows]
-    bars.bar(names, ratios, color=["#888888", "#4c72b0", "#dd8452"][:len(rows)])
+    bars.bar(names, ratios, color=[f"C{i}" for i in range(len(rows))])  # the CDF lines' colours
     for x, value in enumerate(ratios):
         bars.text(x, value, f"{value:.1f}%", ha="center", va="bottom", fontsize=8)
     if bound is not None:
