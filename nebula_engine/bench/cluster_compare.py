@@ -2,6 +2,10 @@
 cluster (one process per peer), replay the same workload slice at the same Poisson rate through its HTTP API,
 and report TTFT percentiles and cache hit ratio, as ratios against ``pc``.
 
+Every policy runs with the same settings (peers, threads, KV pool, slice, arrivals). Writes ``compare.json``
+(options, the slice's reuse bound, one row per policy with its TTFTs) and ``compare.png`` (TTFT CDFs and hit
+ratios) into the output folder, and each peer's log under ``logs/<policy>/``.
+
 This is the repo's main job (``make run`` / ``nebula-engine compare``) and ``tools/bench_cluster.py``.
 """
 
@@ -9,18 +13,23 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import click
 
-from nebula_engine.bench.replay import ReplayOptions, replay
+from nebula_engine.bench.progress import Progress
+from nebula_engine.bench.replay import ReplayOptions, as_sent, replay
 from nebula_engine.bench.report import summarize
 from nebula_engine.cluster.launcher import LocalCluster, local_spec
+from nebula_engine.cluster.spec import PeerSettings
+from nebula_engine.workloads.analysis import reuse_stats
 from nebula_engine.workloads.registry import load_workload
 
 POLICIES = ("pc", "local-pic", "nebula")
+DEFAULT_MODEL = "smollm2"  # the real trained model (SmolLM2-135M-Instruct) that `make install` installs
 # big enough that prefill compute, not HTTP and Python overhead, dominates TTFT on a CPU; still random weights
 BENCH_MODEL = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=32,
                    intermediate_size=768, max_position_embeddings=8192)
@@ -35,50 +44,100 @@ def bench_model_dir() -> Path:
 
 @dataclass(frozen=True)
 class CompareOptions:
+    """The default regime (README "Measured", cluster policies): the paper's argument needs per-peer KV below
+    the slice's working set, load spread over several prefill peers, and prefill a real share of TTFT."""
+
     trace: str = "ragpulse"
-    num_requests: int = 48
-    qps: float = 1.0
-    prefill_workers: int = 2
-    decode_workers: int = 1
-    max_prompt_tokens: int = 1536
+    num_requests: int = 48  # 25 sessions; with 1,024-token prompts a working set of 17,373 distinct tokens
+    qps: float = 0.5  # ~330 prompt tokens/s offered against smollm2's ~700 tok/s prefill on 2 threads: below saturation
+    prefill_workers: int = 4  # the router spreads load over 4 peers: a session's documents can sit on any
+    decode_workers: int = 0  # prefill peers decode too: one process less to load (8 output tokens only)
+    max_prompt_tokens: int = 1024
     max_tokens: int = 8
     seed: int = 0
     pic_backend: str = "auto"
     page_size: int = 16
-    num_pages: int = 2048
+    num_pages: int = 256  # per peer: its KV pool (running requests + cached PC and PIC entries), 4,096 tokens
+    threads_per_peer: int | None = 1  # 4 peers on 2 cores: one torch thread each, no oversubscription
+    # silence after which a peer counts as dead: on a crowded 2-core machine (load 14) smollm2 peers were measured
+    # silent for over 3 s (the serving default) mid-prefill, and every request was re-run until it gave up
+    peer_timeout_s: float = 30.0
+    # five smollm2 peers loading at once on a crowded 2-core machine (load 14) took over 180 s to come up
+    start_timeout_s: float = 900.0
+
+    @property
+    def kv_tokens_per_peer(self) -> int:
+        return self.page_size * self.num_pages
 
 
 def run_policy(model: str, policy: str, requests, options: CompareOptions, log_dir: Path) -> dict:
     spec = local_spec(options.prefill_workers, options.decode_workers, policy=policy)
     engine = {"page_size": options.page_size, "num_pages": options.num_pages,
               "pic_backend": None if options.pic_backend == "none" else options.pic_backend}
-    with LocalCluster(model, spec, engine, log_dir=log_dir / policy) as cluster:
+    settings = PeerSettings(peer_timeout_s=options.peer_timeout_s, failover_timeout_s=2 * options.peer_timeout_s)
+    cluster = LocalCluster(model, spec, engine, log_dir=log_dir / policy, settings=settings,
+                           torch_threads=options.threads_per_peer)
+    started = time.monotonic()
+    click.echo(f"  {policy:<10} starting {len(spec.peers)} peers ...", err=True)
+    cluster.start(options.start_timeout_s)
+    try:
+        click.echo(f"  {policy:<10} cluster up in {time.monotonic() - started:.0f} s; replaying", err=True)
         url = cluster.urls[spec.peers[0].name]
         replay_options = ReplayOptions(seed=options.seed, max_tokens=options.max_tokens,
                                        max_prompt_tokens=options.max_prompt_tokens)
-        result = asyncio.run(replay(url, requests, options.qps, replay_options))
+        progress = Progress(policy, len(requests))
+        result = asyncio.run(replay(url, requests, options.qps, replay_options,
+                                    on_done=lambda record: progress.advance(record.ok)))
         states = {name: cluster.state(name) for name in cluster.urls}
+    finally:
+        cluster.stop()
     summary = summarize(result)
+    first_error = next(iter(summary["errors"]), "")
+    progress.finish(f", {summary['failed']} failed (e.g. {first_error[:160]})" if summary["failed"] else "")
     summary["policy"] = policy
     summary["transfer_bytes"] = sum(s.get("transfer_bytes", 0) for s in states.values())
+    summary["ttfts_s"] = [r.ttft_s for r in result.records if r.ok]
     return summary
+
+
+def slice_bound(requests, max_prompt_tokens: int | None) -> dict:
+    """The most any cache can hit on this slice as replayed (every segment seen before, anywhere: what
+    ``nebula-engine analyze`` reports), and prefix caching alone."""
+    stats = reuse_stats(as_sent(requests, max_prompt_tokens))
+    return {"hit_ratio_bound": stats.pic / 100, "pc_hit_ratio_bound": stats.pc / 100}
 
 
 def compare(model: str, options: CompareOptions, out_dir: Path, data_dir: Path | None = None) -> list[dict]:
     requests = load_workload(options.trace, data_dir=data_dir, limit=options.num_requests,
                              seed=options.seed)[:options.num_requests]
-    rows = []
-    for policy in POLICIES:
-        started = time.monotonic()
-        rows.append(run_policy(model, policy, requests, options, out_dir / "logs"))
-        click.echo(f"  {policy}: {len(requests)} requests in {time.monotonic() - started:.0f} s", err=True)
+    bound = slice_bound(requests, options.max_prompt_tokens)
+    rows = [run_policy(model, policy, requests, options, out_dir / "logs") for policy in POLICIES]
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "compare.json").write_text(json.dumps({"options": vars(options), "rows": rows}, indent=2,
-                                                     default=str))
+    document = {"model": model, "options": {**asdict(options), "kv_tokens_per_peer": options.kv_tokens_per_peer},
+                **bound, "rows": [_json_safe(row) for row in rows]}
+    (out_dir / "compare.json").write_text(json.dumps(document, indent=2, allow_nan=False) + "\n")
+    plot_compare(out_dir / "compare.png", rows, bound["hit_ratio_bound"],
+                 f"{len(requests)} {options.trace} requests at {options.qps:g} req/s, "
+                 f"{options.prefill_workers} prefill + {options.decode_workers} decode peers")
     return rows
 
 
-def format_table(rows: list[dict]) -> str:
+def _json_safe(row: dict) -> dict:
+    return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in row.items()}
+
+
+COLUMNS_EXPLAINED = (
+    "TTFT p50/p99: time to first token, median and 99th percentile over completed requests, from the request "
+    "leaving the client to its first streamed token.",
+    "CHR: cache hit ratio, prompt tokens served from KV that existed before the request (prefix cache, or PIC "
+    "segments held on the home peer or read from another peer) / all prompt tokens; segments prefilled for the "
+    "request itself are no hits.",
+    "x/pc: the policy's figure divided by pc's (below 1.00 = faster TTFT; above 1.00 = more hits).",
+    "failed: requests without a complete answer.  KV moved: bytes peers read from each other over NIXL.",
+)
+
+
+def format_table(rows: list[dict], bound: float | None = None) -> str:
     base = next(r for r in rows if r["policy"] == "pc")
 
     def ratio(value: float, reference: float) -> str:
@@ -89,30 +148,94 @@ def format_table(rows: list[dict]) -> str:
     for row in rows:
         lines.append(f"{row['policy']:<10} {row['ttft_p50_s']:>10.3f} {row['ttft_p99_s']:>10.3f} "
                      f"{row['cache_hit_ratio']:>6.1%} {ratio(row['ttft_p50_s'], base['ttft_p50_s']):>7} "
-                     f"{ratio(row['ttft_p99_s'], base['ttft_p99_s']):>7} {ratio(row['cache_hit_ratio'], base['cache_hit_ratio']):>7} "
+                     f"{ratio(row['ttft_p99_s'], base['ttft_p99_s']):>7} "
+                     f"{ratio(row['cache_hit_ratio'], base['cache_hit_ratio']):>7} "
                      f"{row['failed']:>6} {row['transfer_bytes'] / 2**20:>8.1f}MB")
+    lines += ["", *(f"  {line}" for line in COLUMNS_EXPLAINED)]
+    if bound is not None:
+        lines.append(f"  The slice's reuse bound (every segment seen before, with an unbounded cache): CHR {bound:.1%}.")
     return "\n".join(lines)
 
 
+def plot_compare(path: Path, rows: list[dict], bound: float | None, title: str) -> None:
+    """TTFT CDF of each policy beside a bar of each policy's cache hit ratio."""
+    import numpy as np
+    from matplotlib.figure import Figure  # the object API: no pyplot state, no GUI backend
+
+    figure = Figure(figsize=(9, 3.6), layout="constrained")
+    cdf, bars = figure.subplots(1, 2, width_ratios=(2, 1))
+    for row in rows:
+        ttfts = np.sort(row["ttfts_s"])
+        if len(ttfts):
+            cdf.step(ttfts, np.arange(1, len(ttfts) + 1) / len(ttfts), where="post",
+                     label=f"{row['policy']} (p50 {row['ttft_p50_s']:.3f} s)")
+    cdf.set_xscale("log")
+    cdf.set_xlabel("TTFT (s, log scale)")
+    cdf.set_ylabel("fraction of requests")
+    cdf.set_ylim(0, 1.02)
+    cdf.legend(loc="lower right", fontsize=8)
+    cdf.set_title(title, fontsize=9)
+    names = [row["policy"] for row in rows]
+    ratios = [row["cache_hit_ratio"] * 100 for row in rows]
+    bars.bar(names, ratios, color=[f"C{i}" for i in range(len(rows))])  # the CDF lines' colours
+    for x, value in enumerate(ratios):
+        bars.text(x, value, f"{value:.1f}%", ha="center", va="bottom", fontsize=8)
+    if bound is not None:
+        bars.axhline(bound * 100, color="black", linestyle="--", linewidth=1, label=f"slice bound {bound:.0%}")
+        bars.legend(loc="lower right", fontsize=8)
+    bars.set_ylabel("cache hit ratio (%)")
+    bars.set_ylim(0, 100)
+    bars.set_title("prompt tokens from existing KV", fontsize=9)
+    figure.savefig(path, dpi=120)
+
+
 @click.command("compare")
-@click.option("--model", default=None, help="Checkpoint dir [default: a random 4-layer Qwen3 built on first use].")
-@click.option("--trace", default="ragpulse", show_default=True, help="Workload (the RAGPulse slice ships inside).")
-@click.option("--num-requests", type=click.IntRange(min=1), default=48, show_default=True)
-@click.option("--qps", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True)
-@click.option("--prefill-workers", type=click.IntRange(min=1), default=2, show_default=True)
-@click.option("--decode-workers", type=click.IntRange(min=0), default=1, show_default=True)
-@click.option("--max-prompt-tokens", type=click.IntRange(min=16), default=1536, show_default=True)
-@click.option("--max-tokens", type=click.IntRange(min=1), default=8, show_default=True)
-@click.option("--pic-backend", default="auto", show_default=True)
+@click.option("--model", default=DEFAULT_MODEL, show_default=True,
+              help="Model of every peer: a short name, a checkpoint dir or GGUF file; 'bench-qwen3' = a random "
+                   "4-layer Qwen3 built on first use.")
+@click.option("--trace", default=CompareOptions.trace, show_default=True,
+              help="Workload (the RAGPulse slice ships inside; others read --data).")
+@click.option("--num-requests", type=click.IntRange(min=1), default=CompareOptions.num_requests, show_default=True)
+@click.option("--qps", type=click.FloatRange(min=0, min_open=True), default=CompareOptions.qps, show_default=True,
+              help="Poisson arrival rate.")
+@click.option("--prefill-workers", type=click.IntRange(min=1), default=CompareOptions.prefill_workers,
+              show_default=True)
+@click.option("--decode-workers", type=click.IntRange(min=0), default=CompareOptions.decode_workers,
+              show_default=True)
+@click.option("--threads-per-peer", type=click.IntRange(min=1), default=CompareOptions.threads_per_peer,
+              show_default=True, help="torch threads of each peer [default: torch's own, one per core].")
+@click.option("--num-pages", type=click.IntRange(min=16), default=CompareOptions.num_pages, show_default=True,
+              help="KV pages of each peer (x --page-size tokens): running requests plus its cache.")
+@click.option("--page-size", type=click.IntRange(min=1), default=CompareOptions.page_size, show_default=True)
+@click.option("--max-prompt-tokens", type=click.IntRange(min=16), default=CompareOptions.max_prompt_tokens,
+              show_default=True, help="Prompts shrink by one factor for the run so the longest fits.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=CompareOptions.max_tokens, show_default=True)
+@click.option("--pic-backend", default=CompareOptions.pic_backend, show_default=True)
+@click.option("--seed", type=int, default=CompareOptions.seed, show_default=True)
 @click.option("--data", "data_dir", type=click.Path(file_okay=False, path_type=Path), default=None)
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("bench_results"),
               show_default=True)
 def compare_command(model, data_dir, out_dir, **options) -> None:
     """Start a local cluster per policy (pc, local-pic, nebula), replay a workload slice, print the comparison."""
     opts = CompareOptions(**options)
-    model = str(Path(model).resolve()) if model else str(bench_model_dir())
+    model = str(bench_model_dir()) if model == "bench-qwen3" else _resolved(model)
+    threads = f", {opts.threads_per_peer} thread(s) each" if opts.threads_per_peer else ""
     click.echo(f"replaying {opts.num_requests} {opts.trace} requests at {opts.qps:g} req/s on "
-               f"{opts.prefill_workers} prefill + {opts.decode_workers} decode peers, per policy ...", err=True)
+               f"{opts.prefill_workers} prefill + {opts.decode_workers} decode peers{threads}, "
+               f"{opts.kv_tokens_per_peer:,} KV tokens per peer, model {Path(model).name}; per policy:", err=True)
+    started = time.monotonic()
     rows = compare(model, opts, out_dir, data_dir)
-    click.echo(format_table(rows))
-    click.echo(f"wrote {out_dir / 'compare.json'}")
+    bound = json.loads((out_dir / "compare.json").read_text())["hit_ratio_bound"]
+    click.echo(format_table(rows, bound))
+    click.echo(f"wrote {out_dir / 'compare.json'} and {out_dir / 'compare.png'}; peer logs in {out_dir / 'logs'} "
+               f"({time.monotonic() - started:.0f} s in all)")
+
+
+def _resolved(model: str) -> str:
+    from nebula_engine.config import resolve_model
+
+    try:
+        path = resolve_model(model)
+    except FileNotFoundError as error:
+        raise click.UsageError(str(error)) from error
+    return str(Path(path).resolve()) if Path(path).exists() else path

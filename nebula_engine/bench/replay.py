@@ -19,7 +19,8 @@ import json
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Callable
 
 import numpy as np
 import xxhash
@@ -117,14 +118,18 @@ class PromptBuilder:
         self._ids: dict[tuple[str, int], list[int]] = {}
 
     def segments(self, request: Request) -> list[dict]:
-        wire, budget = [], self.max_prompt_tokens
+        return [{"kind": WIRE_KIND[segment.kind], "token_ids": self._token_ids(segment, length)}
+                for segment, length in zip(request.segments, self.lengths(request)) if length]
+
+    def lengths(self, request: Request) -> list[int]:
+        """Each segment's length as sent (0: dropped)."""
+        lengths, budget = [], self.max_prompt_tokens
         for segment in request.segments:
             length = self._scaled_length(segment.num_tokens)
             if budget is not None:
                 length, budget = min(length, budget), budget - min(length, budget)
-            if length:
-                wire.append({"kind": WIRE_KIND[segment.kind], "token_ids": self._token_ids(segment, length)})
-        return wire
+            lengths.append(length)
+        return lengths
 
     def _scaled_length(self, num_tokens: int) -> int:
         return num_tokens if self.scale == 1.0 or num_tokens == 0 else max(1, int(num_tokens * self.scale))
@@ -140,6 +145,15 @@ class PromptBuilder:
         return self._ids[key]
 
 
+def as_sent(requests: list[Request], max_prompt_tokens: int | None) -> list[Request]:
+    """The requests with each segment's length as ``replay`` sends it (token ids dropped): what the server sees,
+    for reuse figures of the replayed slice."""
+    builder = PromptBuilder(DEFAULT_VOCAB_SIZE, prompt_scale(requests, max_prompt_tokens), max_prompt_tokens)
+    return [replace(request, segments=tuple(
+        Segment(segment.kind, segment.content_id, length) for segment, length in
+        zip(request.segments, builder.lengths(request)) if length)) for request in requests]
+
+
 async def fetch_model_info(session: aiohttp.ClientSession, url: str) -> ModelInfo:
     try:
         async with session.get(f"{url}/v1/models") as reply:
@@ -150,9 +164,10 @@ async def fetch_model_info(session: aiohttp.ClientSession, url: str) -> ModelInf
         raise BenchError(f"cannot list models at {url}/v1/models: {type(error).__name__}: {error}") from error
 
 
-async def replay(url: str, requests: list[Request], qps: float,
-                 options: ReplayOptions = ReplayOptions()) -> ReplayResult:
-    """Send ``requests`` in order at Poisson arrival times; one record per request, in order."""
+async def replay(url: str, requests: list[Request], qps: float, options: ReplayOptions = ReplayOptions(),
+                 on_done: Callable[[RequestRecord], None] | None = None) -> ReplayResult:
+    """Send ``requests`` in order at Poisson arrival times; one record per request, in order. ``on_done`` is
+    called with each record as its request ends (progress reports)."""
     url = url.rstrip("/")
     offsets = poisson_offsets(len(requests), qps, options.seed)
     scale = prompt_scale(requests, options.max_prompt_tokens)
@@ -170,7 +185,10 @@ async def replay(url: str, requests: list[Request], qps: float,
             delay = start + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(sender.send(index, request, offset, start)))
+            task = asyncio.create_task(sender.send(index, request, offset, start))
+            if on_done is not None:
+                task.add_done_callback(lambda done: done.cancelled() or done.exception() or on_done(done.result()))
+            tasks.append(task)
         records = tuple(await asyncio.gather(*tasks))
         duration = time.perf_counter() - start
     return ReplayResult(url, model, qps, options.seed, vocab_size, scale, duration, records)

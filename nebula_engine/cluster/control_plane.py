@@ -48,11 +48,17 @@ class ControlPlane:
         return Decision(plan, None if shares is None else shares[Tier.DEVICE], shares)
 
     def pinned_plan(self, keys: RequestKeys, home: int, now: float) -> PrefillPlan:
-        """A plan whose combine runs on ``home``: the prefix it holds is reused; with PIC, each segment past it
+        """A plan whose combine runs on ``home``: the prefix it holds is reused (``nebula``: or a deeper one that
+        another worker holds, read from there when that beats recomputing it); with PIC, each segment past it
         is read from the holder cheapest to move to ``home`` (if that beats recomputing it) or computed at
         ``home``; a segment repeated inside the request is planned once."""
-        depth = self.view.prefix_matches(keys.pc_keys, now).get(home, 0)
-        prefix = PrefixPlan(home, depth, keys.prefix_tokens(depth)) if depth else None
+        depths = self.view.prefix_matches(keys.pc_keys, now)
+        holder, depth = home, depths.get(home, 0)
+        if self.policy.name == "nebula":
+            deepest = max(depths.items(), key=lambda item: (item[1], item[0] == home), default=(home, 0))
+            if deepest[1] > depth and self.costs.load_beats_recompute(Tier.DEVICE, deepest[0], home):
+                holder, depth = deepest
+        prefix = PrefixPlan(holder, depth, keys.prefix_tokens(depth)) if depth else None
         segments, placed = [], {}
         for index in keys.pic_indices if self.policy.name != "pc" else ():
             if index < depth:

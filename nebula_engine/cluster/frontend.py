@@ -65,7 +65,7 @@ class _Pending:
     handoff_to: str = ""  # the decode peer ``server`` is handing it to: its death loses the request too
     earlier: Streamed = Streamed()  # what earlier attempts streamed (the current attempt continues it)
     current: Streamed = Streamed()  # what the current attempt streamed
-    cached: list[int] | None = None  # prefix, PIC, recomputed counts of the first attempt that reported them
+    cached: list[int] | None = None  # prefix, PIC, recomputed, hit counts of the first attempt that reported them
     waiting_since: float | None = None  # when it started needing a leader to (re)submit to; None: submitted
     losses: int = 0
     done: bool = False
@@ -246,9 +246,10 @@ class ClusterFrontend:
                 text, finished, finish_reason, stop_reason = text[:stop[1]], True, "stop", stop[0]
         completion = CompletionOutput(0, text, list(streamed.token_ids), finish_reason=finish_reason,
                                       stop_reason=stop_reason, token_logprobs=list(streamed.logprobs))
-        prefix, pic, recomputed = pending.cached or (0, 0, 0)
+        prefix, pic, recomputed, *hits = pending.cached or (0, 0, 0)
         return RequestOutput(pending.submit.request_id, None, list(pending.submit.token_ids), [completion],
-                             finished=finished, num_cached_tokens=prefix + pic, num_prefix_cached_tokens=prefix,
+                             finished=finished, num_cached_tokens=hits[0] if hits else prefix + pic,
+                             num_prefix_cached_tokens=prefix,
                              num_pic_cached_tokens=pic, num_recomputed_tokens=recomputed)
 
     def on_not_leader(self, msg: wire.NotLeader) -> None:

@@ -79,7 +79,7 @@ def local_spec(num_prefill: int, num_decode: int, host: str = LOOPBACK, port: in
 class LocalCluster:
     def __init__(self, model: str, spec: ClusterSpec, engine_options: dict | None = None,
                  served_model_name: str | None = None, log_dir: str | Path | None = None, log_level: str = "warning",
-                 settings: PeerSettings = PeerSettings()):
+                 settings: PeerSettings = PeerSettings(), torch_threads: int | None = None):
         if spec.spans_machines:
             raise ValueError("a local cluster runs on this machine: every peer's host must be a loopback address")
         self.model = model
@@ -90,6 +90,7 @@ class LocalCluster:
         self._tmp = tempfile.TemporaryDirectory(prefix="nebula-cluster-")
         self.log_dir = Path(log_dir or self._tmp.name)
         self.log_level = log_level
+        self.torch_threads = torch_threads  # intra-op threads of each peer's torch (None: torch's default)
         self.processes: dict[str, subprocess.Popen] = {}
 
     @property
@@ -146,7 +147,9 @@ class LocalCluster:
         env = {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, API_KEY_ENV, ETCD_PASSWORD_ENV)}
         secrets = {SECRET_ENV: self.settings.cluster_secret, API_KEY_ENV: self.settings.api_key,
                    ETCD_PASSWORD_ENV: self.settings.etcd_access.password}
-        return {**env, **{k: v for k, v in secrets.items() if v}, "PYTHONUNBUFFERED": "1"}
+        threads = {} if self.torch_threads is None else {"OMP_NUM_THREADS": str(self.torch_threads),
+                                                          "MKL_NUM_THREADS": str(self.torch_threads)}
+        return {**env, **{k: v for k, v in secrets.items() if v}, **threads, "PYTHONUNBUFFERED": "1"}
 
     def restart(self, name: str, timeout: float = 180.0) -> None:
         self.stop_peer(name, kill=True)

@@ -171,6 +171,10 @@ class Peer:
                 self.worker.on_pin_reply(msg)
             case wire.Unpin():
                 spawn(self.worker.on_unpin(msg))
+            case wire.PinPrefix():
+                spawn(self.worker.on_pin_prefix(msg))
+            case wire.UnpinPrefix():
+                spawn(self.worker.on_unpin_prefix(msg))
             case wire.Handoff():
                 spawn(self.worker.on_handoff(msg))
             case wire.HandoffDone():

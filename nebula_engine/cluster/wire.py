@@ -71,6 +71,7 @@ class SourceSpec(msgspec.Struct, array_like=True):
     segment_index: int
     key: str
     peer: str  # holder to fetch from ("" = this worker: local hit or compute here)
+    fresh: bool = False  # the holder prefills it for this request (a scatter): reading it is no cache hit
 
 
 class Combine(Msg):
@@ -85,6 +86,8 @@ class Combine(Msg):
     sources: list[SourceSpec]
     local_task_ids: list[str]  # scatter tasks planned on this worker itself: done when the combine is
     decode_peer: str  # "" = decode here
+    prefix_peer: str = ""  # a peer holding the prompt's first ``prefix_tokens`` in its prefix cache: read them
+    prefix_tokens: int = 0
 
 
 class SnapshotRequest(Msg):
@@ -126,6 +129,17 @@ class PinSegment(Msg):
     wait_s: float  # how long to wait for the segment to appear (a scatter prefill may be on its way)
 
 
+class PinPrefix(Msg):
+    """Pin the longest cached page-aligned prefix of ``token_ids`` in the receiver's prefix cache."""
+
+    tag: str
+    token_ids: list[int]
+
+
+class UnpinPrefix(Msg):
+    tag: str
+
+
 class PinReply(Msg):
     tag: str
     ok: bool
@@ -146,7 +160,7 @@ class Handoff(Msg):
     first_logprob: float
     params: Params
     pages: list[int]  # on the sender, holding the prompt's K/V
-    cached: list[int]  # prefix, PIC, recomputed token counts
+    cached: list[int]  # prefix, PIC, recomputed token counts, then the cache hits (KV that existed before it)
 
 
 class HandoffDone(Msg):
@@ -163,7 +177,7 @@ class Output(Msg):
     finished: bool
     finish_reason: str | None
     stop_reason: str | int | None
-    cached: list[int]  # prefix, PIC, recomputed token counts
+    cached: list[int]  # prefix, PIC, recomputed token counts, then the cache hits (KV that existed before it)
     handoff_to: str = ""  # the decode peer this request moves to next: it carries the request from now on
 
 
@@ -180,7 +194,7 @@ class Abort(Msg):
 
 
 MESSAGE = (Hello | Heartbeat | Submit | NotLeader | Scatter | Combine | SnapshotRequest | PCShare | CacheEventMsg
-           | TaskDone | PinSegment | PinReply | Unpin | Handoff | HandoffDone | Output | Failed | Abort)
+           | TaskDone | PinSegment | PinPrefix | PinReply | Unpin | UnpinPrefix | Handoff | HandoffDone | Output | Failed | Abort)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(MESSAGE)

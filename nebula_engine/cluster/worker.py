@@ -37,6 +37,7 @@ from nebula_engine.engine.sampling_params import SamplingParams
 from nebula_engine.engine.structured_outputs import StructuredOutputsParams
 from nebula_engine.kvcache.events import CacheKind, EvictEvent, MoveEvent, StoreEvent
 from nebula_engine.kvcache.pool import OutOfPagesError
+from nebula_engine.pic.layout import CombineLayout
 from nebula_engine.pic.segments import PromptSegment, SegmentedPrompt, SegmentKind
 
 logger = logging.getLogger(__name__)
@@ -73,14 +74,26 @@ def engine_request_id(request_id: str, attempt: int) -> str:
 
 
 def output_to_wire(sender: str, request_id: str, output: RequestOutput, attempt: int,
-                   handoff_to: str = "") -> wire.Output:
+                   handoff_to: str = "", fresh_tokens: int = 0) -> wire.Output:
+    """``fresh_tokens``: PIC tokens the engine found in its store only because this request had them prefilled on
+    another peer and read them here; they are no cache hits."""
     completion = output.outputs[0]
+    hits = max(output.num_prefix_cached_tokens, output.num_cached_tokens - fresh_tokens)
     return wire.Output(sender=sender, request_id=request_id, attempt=attempt, text=completion.text,
                        token_ids=list(completion.token_ids), logprobs=list(completion.token_logprobs),
                        finished=output.finished, finish_reason=completion.finish_reason,
                        stop_reason=completion.stop_reason,
                        cached=[output.num_prefix_cached_tokens, output.num_pic_cached_tokens,
-                               output.num_recomputed_tokens], handoff_to=handoff_to)
+                               output.num_recomputed_tokens, hits], handoff_to=handoff_to)
+
+
+def reused_tokens(segmented: SegmentedPrompt, prefix_len: int, indices: set[int]) -> int:
+    """Tokens of the PIC segments ``indices`` that a combine after a ``prefix_len`` prefix reuses."""
+    if not indices:
+        return 0
+    segments = segmented.pic_segments
+    return CombineLayout.plan(len(segmented.token_ids), prefix_len, [(s.start, s.length) for s in segments],
+                              [i in indices for i in range(len(segments))]).num_reused
 
 
 def _state_bytes(state: dict) -> bytes:
@@ -109,6 +122,7 @@ class WorkerService:
         self._appeared: dict[str, asyncio.Event] = {}  # PIC key -> set when a task computing it here is done
         self._computing: dict[str, int] = {}  # PIC key -> tasks (scatter or combine) computing it here
         self._pinned: dict[str, list] = {}  # key -> locked entries pinned for remote readers
+        self._pinned_prefixes: dict[tuple[str, str], Any] = {}  # (reader, tag) -> locked radix node
         self._handoffs: dict[str, asyncio.Future] = {}  # request id -> done when the decode peer has read
         self._streams: dict[str, asyncio.Task] = {}  # request id -> task serving it here
         self._pc_page_keys: dict[str, set[str]] = {}  # radix page hash -> segment chain keys ending in it
@@ -171,12 +185,16 @@ class WorkerService:
             params = params_from_wire(msg.params)
             backend = backend_arg(msg.pic_backend)
             remote = [s for s in msg.sources if s.peer and s.peer != self.name]
-            if remote:
-                await asyncio.gather(*(self._fetch(s, segmented, msg.pic_backend) for s in remote))
+            prefix_read = self._fetch_prefix(msg) if msg.prefix_peer and msg.prefix_peer != self.name else None
+            copied, _ = await asyncio.gather(
+                asyncio.gather(*(self._fetch(s, segmented, msg.pic_backend) for s in remote)),
+                prefix_read or asyncio.sleep(0))
+            copied_keys = {s.key for s, ok in zip(remote, copied) if ok}
+            fresh = {s.segment_index for s in remote if s.fresh and s.key in copied_keys}
             if msg.decode_peer and msg.decode_peer != self.name and self.liveness.alive(msg.decode_peer):
-                await self._prefill_and_hand_off(msg, segmented, params, backend)
+                await self._prefill_and_hand_off(msg, segmented, params, backend, fresh)
             else:
-                await self._serve_locally(msg, segmented, params, backend)
+                await self._serve_locally(msg, segmented, params, backend, fresh)
             self._report_prompt_cached(segmented, msg.pic_backend)
         except ValueError as error:  # (the request's own fault: bad backend for this model, ...)
             self._fail(msg, str(error), client_error=True)
@@ -197,24 +215,29 @@ class WorkerService:
         self.send(msg.frontend, wire.Failed(sender=self.name, request_id=msg.request_id, attempt=msg.attempt,
                                             message=message, client_error=client_error, resumable=resumable))
 
-    async def _serve_locally(self, msg: wire.Combine, segmented, params, backend) -> None:
+    async def _serve_locally(self, msg: wire.Combine, segmented, params, backend, fresh: set[int]) -> None:
         engine_id = engine_request_id(msg.request_id, msg.attempt)
         async for output in self.engine.generate(engine_id, segmented, params, backend):
-            self.send(msg.frontend, output_to_wire(self.name, msg.request_id, output, msg.attempt))
+            fresh_tokens = reused_tokens(segmented, output.num_prefix_cached_tokens, fresh)
+            self.send(msg.frontend, output_to_wire(self.name, msg.request_id, output, msg.attempt,
+                                                   fresh_tokens=fresh_tokens))
 
-    async def _prefill_and_hand_off(self, msg: wire.Combine, segmented, params, backend) -> None:
+    async def _prefill_and_hand_off(self, msg: wire.Combine, segmented, params, backend, fresh: set[int]) -> None:
         engine_id = engine_request_id(msg.request_id, msg.attempt)
         first = await self.engine.generate_held(engine_id, segmented, replace(params, max_tokens=1), backend)
+        fresh_tokens = reused_tokens(segmented, first.num_prefix_cached_tokens, fresh)
         completion = first.outputs[0]
         done_here = completion.finish_reason == "stop" or params.max_tokens == 1
         if done_here:  # finished on its first token: nothing to hand off
             await self.engine.call(lambda e: e.release_held(engine_id))
-            self.send(msg.frontend, output_to_wire(self.name, msg.request_id, first, msg.attempt))
+            self.send(msg.frontend, output_to_wire(self.name, msg.request_id, first, msg.attempt,
+                                                   fresh_tokens=fresh_tokens))
             return
         first.finished = False
         first.outputs[0].finish_reason = None
-        self.send(msg.frontend, output_to_wire(self.name, msg.request_id, first, msg.attempt,  # TTFT
-                                               handoff_to=msg.decode_peer))
+        first_wire = output_to_wire(self.name, msg.request_id, first, msg.attempt, handoff_to=msg.decode_peer,
+                                    fresh_tokens=fresh_tokens)
+        self.send(msg.frontend, first_wire)  # TTFT
         pages = await self.engine.call(lambda e: e.held_block_table(engine_id))
         handoff_done = asyncio.get_running_loop().create_future()
         self._handoffs[engine_id] = handoff_done
@@ -222,7 +245,7 @@ class WorkerService:
             sender=self.name, request_id=msg.request_id, attempt=msg.attempt, frontend=msg.frontend,
             prompt_token_ids=list(first.prompt_token_ids), first_token=completion.token_ids[0],
             first_logprob=completion.token_logprobs[0], params=msg.params, pages=pages,
-            cached=[first.num_prefix_cached_tokens, first.num_pic_cached_tokens, first.num_recomputed_tokens]))
+            cached=list(first_wire.cached)))
         try:
             outcome = await self._unless_dead(handoff_done, msg.decode_peer, HANDOFF_TIMEOUT_S)
         finally:
@@ -251,9 +274,9 @@ class WorkerService:
             future.set_result(True)
 
     # ---- remote segments ----
-    async def _fetch(self, source: wire.SourceSpec, segmented: SegmentedPrompt, spec: str | None) -> None:
-        """Copy segment ``source`` from its holder into the local PIC store; on any failure it stays
-        uncached here and the combine computes it."""
+    async def _fetch(self, source: wire.SourceSpec, segmented: SegmentedPrompt, spec: str | None) -> bool:
+        """Copy segment ``source`` from its holder into the local PIC store; True when it was copied. On any
+        failure it stays uncached here and the combine computes it."""
         segment = segmented.pic_segments[source.segment_index]
         ids = list(segmented.segment_ids(segment))
         tag = f"{self.name}/{next(self._tags)}"
@@ -268,16 +291,16 @@ class WorkerService:
         if outcome != "done":
             self.transfer_failures += 1
             logger.warning("no pin reply from %s for %s (%s): computing it here", source.peer, source.key, outcome)
-            return
+            return False
         reply = reply_future.result()
         if not reply.ok:
-            return
+            return False
         try:
-            await self._copy_in(source, ids, reply)
+            return await self._copy_in(source, ids, reply)
         finally:
             self.send(source.peer, wire.Unpin(sender=self.name, key=source.key))
 
-    async def _copy_in(self, source: wire.SourceSpec, ids: list[int], reply: wire.PinReply) -> None:
+    async def _copy_in(self, source: wire.SourceSpec, ids: list[int], reply: wire.PinReply) -> bool:
         def allocate(engine: LLMEngine):
             if engine.cache_store.pic.lookup(source.key) is not None:
                 return None  # it arrived here meanwhile
@@ -288,7 +311,7 @@ class WorkerService:
 
         pages = await self.engine.call(allocate)
         if pages is None:
-            return
+            return False
         try:
             moved = await asyncio.to_thread(self.agent.read_pages, source.peer, reply.pages, pages,
                                             TRANSFER_TIMEOUT_S)
@@ -297,7 +320,7 @@ class WorkerService:
             self.transfer_failures += 1
             logger.warning("reading %s from %s failed (%s): it will be recomputed", source.key, source.peer, error)
             await self.engine.call(lambda e: e.cache_store.pool.release(pages))
-            return
+            return False
         state = _state_from_bytes(reply.state)
 
         def insert(engine: LLMEngine) -> None:
@@ -306,6 +329,88 @@ class WorkerService:
             engine.cache_store.pool.release(pages)  # the store holds its own reference
 
         await self.engine.call(insert)
+        return True
+
+    async def _fetch_prefix(self, msg: wire.Combine) -> bool:
+        """Copy the prompt's first ``msg.prefix_tokens`` tokens' pages from ``msg.prefix_peer``'s prefix cache into
+        this peer's (as its own prefill would have cached them); the engine then finds them as a prefix hit. What
+        is already cached here is not read again; on any failure the prefix is simply computed."""
+        page_size = self.engine.engine.cache_store.page_size
+        # the last prompt token is always computed: a prefix covering the whole prompt is cut a page short
+        num_pages = min(msg.prefix_tokens, len(msg.token_ids) - 1) // page_size
+        wanted = list(msg.token_ids[:num_pages * page_size])
+        held_here = await self.engine.call(lambda e: len(e.cache_store.radix.match_prefix(wanted).pages))
+        if held_here >= num_pages:
+            return False
+        tag = f"{self.name}/{next(self._tags)}"
+        reply_future = asyncio.get_running_loop().create_future()
+        self._pin_replies[tag] = reply_future
+        self.send(msg.prefix_peer, wire.PinPrefix(sender=self.name, tag=tag, token_ids=wanted))
+        try:
+            outcome = await self._unless_dead(reply_future, msg.prefix_peer, PIN_TIMEOUT_S)
+        finally:
+            self._pin_replies.pop(tag, None)
+        if outcome != "done":
+            self.transfer_failures += 1
+            logger.warning("no prefix pin reply from %s (%s): computing it here", msg.prefix_peer, outcome)
+            return False
+        reply = reply_future.result()
+        try:
+            return reply.ok and await self._copy_prefix_in(msg.prefix_peer, wanted, reply.pages)
+        finally:
+            if reply.ok:
+                self.send(msg.prefix_peer, wire.UnpinPrefix(sender=self.name, tag=tag))
+
+    async def _copy_prefix_in(self, holder: str, token_ids: list[int], remote_pages: list[int]) -> bool:
+        page_size = self.engine.engine.cache_store.page_size
+
+        def allocate(engine: LLMEngine):
+            try:
+                return engine.cache_store.pool.allocate(len(remote_pages))
+            except OutOfPagesError:
+                return None
+
+        pages = await self.engine.call(allocate)
+        if pages is None:
+            return False
+        try:
+            self.transfer_bytes += await asyncio.to_thread(self.agent.read_pages, holder, remote_pages, pages,
+                                                           TRANSFER_TIMEOUT_S)
+        except (TransferError, ValueError) as error:
+            self.transfer_failures += 1
+            logger.warning("reading a prefix from %s failed (%s): it will be recomputed", holder, error)
+            await self.engine.call(lambda e: e.cache_store.pool.release(pages))
+            return False
+
+        def insert(engine: LLMEngine) -> None:
+            store = engine.cache_store
+            last = store.insert_prefix(store.radix.root, token_ids[:len(pages) * page_size], pages)  # locked
+            store.radix.dec_lock_ref(last)
+            store.pool.release(pages)  # the tree holds its own reference to the pages it kept
+
+        await self.engine.call(insert)
+        return True
+
+    async def on_pin_prefix(self, msg: wire.PinPrefix) -> None:
+        def pin(engine: LLMEngine):
+            radix = engine.cache_store.radix
+            match = radix.match_prefix(msg.token_ids)
+            if not match.pages:
+                return None
+            radix.inc_lock_ref(match.last_node)
+            self._pinned_prefixes[(msg.sender, msg.tag)] = match.last_node
+            return list(match.pages)
+
+        pages = await self.engine.call(pin)
+        self.send(msg.sender, wire.PinReply(sender=self.name, tag=msg.tag, ok=pages is not None, pages=pages or []))
+
+    async def on_unpin_prefix(self, msg: wire.UnpinPrefix) -> None:
+        def unpin(engine: LLMEngine) -> None:
+            node = self._pinned_prefixes.pop((msg.sender, msg.tag), None)
+            if node is not None:
+                engine.cache_store.radix.dec_lock_ref(node)
+
+        await self.engine.call(unpin)
 
     async def on_pin(self, msg: wire.PinSegment) -> None:
         def pin(engine: LLMEngine):

@@ -166,7 +166,7 @@ class AsyncLLMEngine:
         return last
 
     async def generate_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token: int,
-                                 first_logprob: float, params: SamplingParams, cached: tuple[int, int, int],
+                                 first_logprob: float, params: SamplingParams, cached: tuple[int, ...],
                                  ) -> AsyncIterator[RequestOutput]:
         """Stream a request prefilled by another engine (``LLMEngine.add_prefilled``; its pages were reserved with
         ``reserve_prefilled`` and written). The first item is the output after its first token."""

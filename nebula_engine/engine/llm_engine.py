@@ -225,14 +225,17 @@ class LLMEngine:
             self.scheduler.kv_cache.free(request_id)
 
     def add_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token: int, first_logprob: float,
-                      params: SamplingParams, cached: tuple[int, int, int] = (0, 0, 0)) -> RequestOutput:
+                      params: SamplingParams, cached: tuple[int, ...] = (0, 0, 0)) -> RequestOutput:
         """Continue a request prefilled elsewhere: its prompt K/V is in the reserved pages, its first token was
-        sampled there. Returns the output after that first token (it may already be finished)."""
+        sampled there. Returns the output after that first token (it may already be finished). ``cached``: the
+        prefix, PIC and recomputed token counts, then optionally the cache hits (default: prefix + PIC)."""
         if params.n > 1 or params.prompt_logprobs is not None:
             raise ValueError("a request prefilled by another engine runs one completion (n=1) without prompt_logprobs")
         seq = Sequence(request_id, prompt_token_ids, params)
-        seq.num_prefix_cached_tokens, seq.num_pic_cached_tokens, seq.num_recomputed_tokens = cached
-        if any(cached):  # reused K/V of a provenance this engine cannot check: never cache its pages
+        seq.num_prefix_cached_tokens, seq.num_pic_cached_tokens, seq.num_recomputed_tokens = cached[:3]
+        hits = cached[3] if len(cached) > 3 else cached[0] + cached[1]
+        seq.num_pic_hit_tokens = hits - seq.num_prefix_cached_tokens
+        if any(cached[:3]):  # reused K/V of a provenance this engine cannot check: never cache its pages
             seq.num_exact_kv_tokens = 0
         seq.num_computed_tokens = len(prompt_token_ids)
         self._sequences[request_id] = seq

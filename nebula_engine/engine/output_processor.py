@@ -84,7 +84,7 @@ class OutputProcessor:
         prompt_logprobs = list(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None
         return RequestOutput(seq.seq_id, seq.prompt, seq.prompt_token_ids, [completion], finished=finished,
                              prompt_logprobs=prompt_logprobs,
-                             num_cached_tokens=seq.num_prefix_cached_tokens + seq.num_pic_cached_tokens,
+                             num_cached_tokens=seq.num_cached_tokens,
                              num_prefix_cached_tokens=seq.num_prefix_cached_tokens,
                              num_pic_cached_tokens=seq.num_pic_cached_tokens,
                              num_recomputed_tokens=seq.num_recomputed_tokens)

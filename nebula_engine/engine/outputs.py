@@ -42,8 +42,10 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     prompt_logprobs: PromptLogprobs | None = None  # None unless SamplingParams.prompt_logprobs was set
-    num_cached_tokens: int = 0  # prompt tokens whose K/V was reused: prefix cache + PIC store
+    # cache hits: prompt tokens whose K/V existed before this request, prefix cache + PIC store (a cold segment
+    # prefilled alone for this request and then combined is reused by the combine, but is no hit)
+    num_cached_tokens: int = 0
     num_prefix_cached_tokens: int = 0  # part of num_cached_tokens: the prefix cache (exact)
-    num_pic_cached_tokens: int = 0  # part of num_cached_tokens: PIC segments reused at a new position
+    num_pic_cached_tokens: int = 0  # PIC segment tokens the combine reused at a new position (hits or fresh)
     num_recomputed_tokens: int = 0  # PIC-reused tokens the backend recomputed anyway (combine prefill)
     error: str | None = None  # set when the engine failed this request (finished, finish_reason "error")

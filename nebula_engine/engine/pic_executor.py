@@ -65,10 +65,14 @@ class PICExecutor:
             needed = {index: segmented.segment_ids(segment) for index, segment in enumerate(pic_segments)
                       # not inside the exact prefix, nor only the last token (always computed)
                       if max(segment.start, prefix_len) < min(segment.end, num_tokens - 1)}
-            for index, found in zip(needed, self.lookup_or_prefill_many(backend, list(needed.values()))):
+            entries, fresh = self._lookup_or_prefill(backend, list(needed.values()))
+            hits = set()  # segments whose KV existed before this request
+            for index, found, made_now in zip(needed, entries, fresh):
                 if found is not None:
                     locked.append(found)
                     cached[index] = CachedSegment(found.pages, found.num_tokens, found.state)
+                    if not made_now:
+                        hits.add(index)
             layout = CombineLayout.plan(num_tokens, prefix_len, [(s.start, s.length) for s in pic_segments],
                                         [i in cached for i in range(len(pic_segments))])
             device = self.storage.layer_caches[0][0].device
@@ -84,6 +88,8 @@ class PICExecutor:
         if result.linear_states is not None:
             self._store_linear_states(entry.state_slot, result.linear_states)
         seq.num_pic_cached_tokens = layout.num_reused
+        seq.num_pic_hit_tokens = CombineLayout.plan(num_tokens, prefix_len, [(s.start, s.length) for s in pic_segments],
+                                                    [i in hits for i in range(len(pic_segments))]).num_reused
         seq.num_recomputed_tokens = result.num_recomputed
         if result.num_recomputed < layout.num_reused:  # cached K/V kept somewhere: approximate from there on
             seq.num_exact_kv_tokens = min(seq.num_exact_kv_tokens, layout.reused[0].start)
@@ -98,6 +104,10 @@ class PICExecutor:
     def lookup_or_prefill_many(self, backend: PICBackend, segments: list) -> list[PICEntry | None]:
         """``lookup_or_prefill`` for several segments; the cold ones are prefilled together (one forward when
         the backend batches them). A segment repeated in ``segments`` is prefilled once."""
+        return self._lookup_or_prefill(backend, segments)[0]
+
+    def _lookup_or_prefill(self, backend: PICBackend, segments: list) -> tuple[list[PICEntry | None], list[bool]]:
+        """``lookup_or_prefill_many``, plus per segment whether its entry was prefilled by this call."""
         keys = [self.segment_key(backend, ids) for ids in segments]
         entries: list[PICEntry | None] = []
         cold: dict[str, list] = {}
@@ -118,7 +128,7 @@ class PICExecutor:
                 handed_out.add(key)
         self.stats.segment_misses += sum(1 for e in created.values() if e is not None)
         self.stats.segment_skipped += sum(1 for e in created.values() if e is None)
-        return entries
+        return entries, [key in created for key in keys]
 
     def prefill_segment(self, backend: PICBackend, key: str, token_ids) -> PICEntry | None:
         """One segment: ``prefill_segments`` of one."""

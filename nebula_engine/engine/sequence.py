@@ -31,6 +31,8 @@ class Sequence:
         self.num_pic_cached_tokens = 0  # prompt tokens taken from the PIC store (combine prefill)
         self.num_recomputed_tokens = 0  # of those, the ones the PIC backend recomputed
         self.num_exact_kv_tokens = sys.maxsize  # its K/V is exact before this token (a combine may approximate)
+        # of num_pic_cached_tokens, those whose KV existed before this request (not prefilled for it): cache hits
+        self.num_pic_hit_tokens = 0
         self.status = SequenceStatus.WAITING
         self.output_logprobs: list[float] = []  # each sampled token's
         self.output_top_logprobs: list = []  # outputs.Logprob dicts per token, only when params.logprobs is set
@@ -61,7 +63,8 @@ class Sequence:
 
     @property
     def num_cached_tokens(self) -> int:
-        return self.num_prefix_cached_tokens + self.num_pic_cached_tokens
+        """Prompt tokens served from KV that existed before this request (the cache hits)."""
+        return self.num_prefix_cached_tokens + self.num_pic_hit_tokens
 
     @property
     def num_tokens(self) -> int:

@@ -83,12 +83,14 @@ def test_segment_cached_on_one_peer_is_reused_on_another_via_nixl(cluster, model
     first = completion(model_dir, rag_segments(system_a, docs, question), prefill_peer="prefill-0")
     status, body = post(url, "/v1/completions", first)
     assert status == 200, body
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # its segments were prefilled for it
     before = cluster.state("prefill-1")["transfer_bytes"]
     permuted = rag_segments(system_b, docs[::-1], question)
     status, remote = post(url, "/v1/completions", completion(model_dir, permuted, prefill_peer="prefill-1"))
     assert status == 200, remote
     assert cluster.state("prefill-1")["transfer_bytes"] > before  # the segments came from prefill-0
     assert remote["usage"]["nebula"]["pic_cached_tokens"] == 72
+    assert remote["usage"]["prompt_tokens_details"]["cached_tokens"] == 72  # read from KV that existed before
     assert cluster.state("prefill-1")["pic"]["segment_misses"] == 0
 
     # the same two requests on one engine: local reuse gives the same tokens
@@ -133,6 +135,31 @@ def test_cold_segments_of_one_request_are_prefilled_on_several_peers(cluster, mo
     grown = {name: cluster.state(name)["pic"]["segment_misses"] - misses[name] for name in misses}
     assert sum(grown.values()) == 6 and all(count > 0 for count in grown.values()), grown
     assert body["usage"]["nebula"]["pic_cached_tokens"] == 240
+    # the combine reused the scattered segments, but they were prefilled for this request: no cache hit
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_a_prefix_cached_on_one_peer_is_read_over_nixl_by_a_combine_on_another(cluster, model_dir):
+    """The planner may put the combine away from the prefix holder: the home reads the prefix's pages (it does
+    not recompute them), and the answer is the one the holder itself gives."""
+    system, docs = [31] * 16, documents(seed=3, count=3)
+    status, body = post(cluster.urls["decode-0"], "/v1/completions",
+                        completion(model_dir, rag_segments(system, docs, [32, 33]), prefill_peer="prefill-0"))
+    assert status == 200, body
+    before = cluster.state("prefill-1")["transfer_bytes"]
+    follow_up = rag_segments(system, docs, [34, 35, 36])
+    status, remote = post(cluster.urls["decode-0"], "/v1/completions",
+                          completion(model_dir, follow_up, prefill_peer="prefill-1"))
+    assert status == 200, remote
+    moved = cluster.state("prefill-1")["transfer_bytes"] - before
+    assert moved > 0
+    prefix_tokens = len(system) + 24 * len(docs)  # every page of the system prompt and the documents
+    assert remote["usage"]["nebula"]["prefix_cached_tokens"] == prefix_tokens
+    assert remote["usage"]["prompt_tokens_details"]["cached_tokens"] == prefix_tokens
+    status, local = post(cluster.urls["decode-0"], "/v1/completions",
+                         completion(model_dir, follow_up, prefill_peer="prefill-0"))
+    assert status == 200, local
+    assert remote["choices"][0]["text"] == local["choices"][0]["text"]
 
 
 def test_openai_client_streams_a_chat_with_pic_tags(cluster, model_dir):

@@ -62,6 +62,8 @@ def test_a_request_becomes_one_combine_and_scatters_for_remote_cold_segments(rou
     assert {s.segment_index for s in combine.sources} == {m.segment_index for _, m in scatters}
     assert len(combine.local_task_ids) + len(scatters) == 4
     assert "r1" in service.in_flight
+    # a segment prefilled for this request and read back is no cache hit: the home is told so
+    assert all(source.fresh for source in combine.sources)
 
 
 def test_store_events_make_a_remote_copy_reusable(router):
@@ -73,6 +75,18 @@ def test_store_events_make_a_remote_copy_reusable(router):
     combine = next(m for _, m in sent if isinstance(m, wire.Combine))
     assert [(s.key, s.peer) for s in combine.sources] == [(key, "prefill-1")]
     assert not any(isinstance(m, wire.Scatter) for _, m in sent)
+    assert not combine.sources[0].fresh  # it existed before the request: a hit
+    assert combine.prefix_peer == "" and combine.prefix_tokens == 0
+
+
+def test_a_combine_away_from_the_prefix_holder_is_told_to_read_the_prefix_from_it(router):
+    service, sent, _ = router
+    first = submit("r3", [[30] * 64], route="prefill-1")
+    service.on_submit(first)  # recorded on dispatch: prefill-1 holds the system prompt and the document
+    sent.clear()
+    service.on_submit(submit("r4", [[30] * 64], route="prefill-0"))
+    combine = next(m for peer, m in sent if isinstance(m, wire.Combine) and peer == "prefill-0")
+    assert combine.prefix_peer == "prefill-1" and combine.prefix_tokens == 3 + 64 + 2  # the same prompt: all of it
 
 
 def test_a_silent_home_has_its_requests_reported_lost_and_the_front_end_plans_them_again_elsewhere(router):

@@ -87,6 +87,7 @@ def test_permuted_segments_hit_the_pic_store_where_prefix_caching_cannot(checkpo
     llm = LLM(str(checkpoint_factory(CASES_BY_NAME["mistral_gqa2"])), page_size=4, num_pages=512, pic_backend="epic")
     first = llm.generate({"segments": rag_prompt(seed=4)}, GREEDY)[0]
     assert first.num_pic_cached_tokens == 64  # cold segments are prefilled alone, then reused by the combine
+    assert first.num_cached_tokens == 0  # ... but prefilled for this request: no cache hit
     permuted = rag_prompt(seed=4, order=(2, 1, 0))
     no_pic = llm.generate({"segments": permuted}, GREEDY, pic_backend=None)[0]
     assert no_pic.num_pic_cached_tokens == 0 and no_pic.num_prefix_cached_tokens == 8  # the system prompt's pages

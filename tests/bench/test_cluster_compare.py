@@ -1,0 +1,54 @@
+"""A reduced ``nebula-engine compare``: the three policies on real local clusters (tiny model, few requests).
+
+Checks what a user relies on: the command's output (progress, the table and its legend, where files went),
+the shape of ``compare.json``, that no request failed, that each policy's hit ratio stays within the slice's
+reuse bound, that PIC hits more than prefix caching, and that the PNG is written.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from nebula_engine.bench.cluster_compare import POLICIES, compare_command
+from nebula_engine.cluster.transfer import nixl_available
+from tests.model_cases import CASES_BY_NAME, checkpoint_factory  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed")
+
+ROW_KEYS = {"policy", "num_requests", "completed", "failed", "ttft_p50_s", "ttft_p99_s", "cache_hit_ratio",
+            "prompt_tokens", "cached_tokens", "transfer_bytes", "ttfts_s"}
+
+
+def test_a_reduced_compare_runs_every_policy_and_writes_its_json_and_png(checkpoint_factory, tmp_path):
+    model = checkpoint_factory(CASES_BY_NAME["qwen3_gqa2_hd20"])
+    out = tmp_path / "results"
+    result = CliRunner().invoke(compare_command, [
+        "--model", str(model), "--num-requests", "8", "--qps", "8", "--prefill-workers", "2",
+        "--decode-workers", "0", "--threads-per-peer", "1", "--num-pages", "256", "--page-size", "4",
+        "--max-prompt-tokens", "160", "--max-tokens", "2", "--out", str(out)])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+
+    document = json.loads((out / "compare.json").read_text())
+    assert set(document) >= {"model", "options", "hit_ratio_bound", "pc_hit_ratio_bound", "rows"}
+    assert document["options"]["kv_tokens_per_peer"] == 1024
+    rows = {row["policy"]: row for row in document["rows"]}
+    assert list(rows) == list(POLICIES)
+    bound = document["hit_ratio_bound"]
+    for policy, row in rows.items():
+        assert ROW_KEYS <= set(row), policy
+        assert row["failed"] == 0 and row["completed"] == 8, row["errors"]
+        assert len(row["ttfts_s"]) == 8 and 0 < row["ttft_p50_s"] <= row["ttft_p99_s"]
+        assert 0 <= row["cache_hit_ratio"] <= bound, (policy, row["cache_hit_ratio"], bound)
+    assert rows["pc"]["cache_hit_ratio"] <= document["pc_hit_ratio_bound"]
+    assert rows["local-pic"]["cache_hit_ratio"] > rows["pc"]["cache_hit_ratio"]
+    assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for policy in POLICIES:
+        assert (out / "logs" / policy / "prefill-0.log").exists()
+
+    for policy in POLICIES:  # progress, then one table with its legend, then where everything went
+        assert f"{policy:<10} 8/8 requests in" in result.output
+    assert "CHR: cache hit ratio" in result.output and "reuse bound" in result.output
+    assert str(out / "compare.png") in result.output and str(out / "logs") in result.output
