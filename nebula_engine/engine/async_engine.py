@@ -3,7 +3,7 @@
 Invariants:
 - The loop thread is the only thread that calls into the engine's mutable state (``add_request``,
   ``abort_request``, ``step``). Callers only read constants set in ``LLMEngine.__init__``
-  (``validate_request``, ``max_model_len``, ``tokenizer``).
+  (``validate_request``, ``max_model_len``, ``tokenizer``) and the thread-safe grammar compiler's cache.
 - Callers hand commands over through a deque guarded by a condition variable; the loop thread sleeps on it
   while the engine is idle, so an idle engine costs nothing and a new request wakes it at once.
 - Each request's outputs are delivered on the caller's own event loop (``call_soon_threadsafe``), in order;
@@ -127,7 +127,10 @@ class AsyncLLMEngine:
         if route is not None:
             raise ValueError("prefill_peer needs a cluster; this server runs one engine")
         token_ids = list(prompt.token_ids) if isinstance(prompt, SegmentedPrompt) else prompt
-        self.engine.validate_request(token_ids, params)
+        if params.structured_outputs is not None:  # compiling a grammar (first time: seconds) must not stall the loop
+            await asyncio.to_thread(self.engine.validate_request, token_ids, params)
+        else:
+            self.engine.validate_request(token_ids, params)
         channel = _OutputChannel(asyncio.get_running_loop())
         self._submit(request_id, _Add(request_id, prompt, params, pic_backend, hold_kv), channel)
         async for item in self._drain(request_id, channel):

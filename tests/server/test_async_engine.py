@@ -156,3 +156,19 @@ def test_streams_carry_n_completions_and_logprobs(engine, reference_llm):
         assert all(len(c.logprobs) == len(c.token_ids) for c in output.outputs)
     assert len(final.prompt_logprobs) == len(prompt) and final.prompt_logprobs[0] is None
     assert engine.stats().num_running == 0
+
+
+def test_structured_requests_stream_and_invalid_schemas_raise_in_the_caller(engine):
+    import json
+
+    from nebula_engine import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    params = SamplingParams(max_tokens=30, temperature=1.0, seed=2,
+                            structured_outputs=StructuredOutputsParams(json=schema, disable_any_whitespace=True))
+    outputs = asyncio.run(collect(engine, "json", engine.tokenizer.encode("Answer:"), params))
+    assert json.loads(outputs[-1].outputs[0].text) in ({"ok": True}, {"ok": False})
+    bad = SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "objekt"}))
+    with pytest.raises(ValueError, match="not a valid JSON schema"):
+        asyncio.run(collect(engine, "bad-json", [5, 6, 7], bad))
