@@ -22,6 +22,7 @@ EXTRA_OF_MODULE = {
     "flashinfer": "gpu",
     "triton": "gpu",
     "xgrammar": "structured",
+    "jsonschema": "structured",
     "aiohttp": "bench",
     "matplotlib": "bench",
     "mistral_common": "demo",

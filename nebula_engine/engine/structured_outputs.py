@@ -129,12 +129,12 @@ class GrammarCompiler:
 
 
 def _check_schema(schema: dict) -> None:
-    """Reject a schema that is not valid JSON Schema (jsonschema's metaschema check), when jsonschema is there:
-    xgrammar accepts some invalid schemas silently (e.g. ``{"type": "objekt"}``)."""
+    """Reject a schema that is not valid JSON Schema (jsonschema's metaschema check): xgrammar accepts some invalid
+    schemas silently (e.g. ``{"type": "objekt"}``)."""
     try:
-        import jsonschema
-    except ImportError:
-        return
+        jsonschema = require_extra("jsonschema", "structured")
+    except MissingExtra as exc:
+        raise ValueError(f"structured outputs need an extra: {exc}") from exc
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as exc:
