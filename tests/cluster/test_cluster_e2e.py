@@ -143,8 +143,11 @@ def test_a_prefix_cached_on_one_peer_is_read_over_nixl_by_a_combine_on_another(c
     """The planner may put the combine away from the prefix holder: the home reads the prefix's pages (it does
     not recompute them), and the answer is the one the holder itself gives."""
     system, docs = [31] * 16, documents(seed=3, count=3)
+    # `full` recomputes every reused token, so the holder's prefix pages are exact over the documents too: a
+    # prefix read carries exact KV only (an approximate combine's pages never serve as another's prefix)
     status, body = post(cluster.urls["decode-0"], "/v1/completions",
-                        completion(model_dir, rag_segments(system, docs, [32, 33]), prefill_peer="prefill-0"))
+                        completion(model_dir, rag_segments(system, docs, [32, 33]), prefill_peer="prefill-0",
+                                   pic_backend="full"))
     assert status == 200, body
     before = cluster.state("prefill-1")["transfer_bytes"]
     follow_up = rag_segments(system, docs, [34, 35, 36])
