@@ -300,26 +300,35 @@ class WorkerService:
         finally:
             self.send(source.peer, wire.Unpin(sender=self.name, key=source.key))
 
-    async def _copy_in(self, source: wire.SourceSpec, ids: list[int], reply: wire.PinReply) -> bool:
+    async def _read_into_new_pages(self, holder: str, remote_pages: list[int], what: str,
+                                   needed=lambda engine: True) -> list[int] | None:
+        """Allocate local pages (on the engine thread) and read ``holder``'s ``remote_pages`` into them. None, holding
+        nothing, when ``needed(engine)`` says no, the pool is full or the read fails (then ``what`` is recomputed)."""
         def allocate(engine: LLMEngine):
-            if engine.cache_store.pic.lookup(source.key) is not None:
-                return None  # it arrived here meanwhile
+            if not needed(engine):
+                return None
             try:
-                return engine.cache_store.pool.allocate(len(reply.pages))
+                return engine.cache_store.pool.allocate(len(remote_pages))
             except OutOfPagesError:
                 return None
 
         pages = await self.engine.call(allocate)
         if pages is None:
-            return False
+            return None
         try:
-            moved = await asyncio.to_thread(self.agent.read_pages, source.peer, reply.pages, pages,
-                                            TRANSFER_TIMEOUT_S)
-            self.transfer_bytes += moved
+            self.transfer_bytes += await asyncio.to_thread(self.agent.read_pages, holder, remote_pages, pages,
+                                                           TRANSFER_TIMEOUT_S)
         except (TransferError, ValueError) as error:
             self.transfer_failures += 1
-            logger.warning("reading %s from %s failed (%s): it will be recomputed", source.key, source.peer, error)
+            logger.warning("reading %s from %s failed (%s): it will be recomputed", what, holder, error)
             await self.engine.call(lambda e: e.cache_store.pool.release(pages))
+            return None
+        return pages
+
+    async def _copy_in(self, source: wire.SourceSpec, ids: list[int], reply: wire.PinReply) -> bool:
+        pages = await self._read_into_new_pages(  # unless it arrived here meanwhile
+            source.peer, reply.pages, source.key, needed=lambda e: e.cache_store.pic.lookup(source.key) is None)
+        if pages is None:
             return False
         state = _state_from_bytes(reply.state)
 
@@ -363,23 +372,8 @@ class WorkerService:
 
     async def _copy_prefix_in(self, holder: str, token_ids: list[int], remote_pages: list[int]) -> bool:
         page_size = self.engine.engine.cache_store.page_size
-
-        def allocate(engine: LLMEngine):
-            try:
-                return engine.cache_store.pool.allocate(len(remote_pages))
-            except OutOfPagesError:
-                return None
-
-        pages = await self.engine.call(allocate)
+        pages = await self._read_into_new_pages(holder, remote_pages, "a prefix")
         if pages is None:
-            return False
-        try:
-            self.transfer_bytes += await asyncio.to_thread(self.agent.read_pages, holder, remote_pages, pages,
-                                                           TRANSFER_TIMEOUT_S)
-        except (TransferError, ValueError) as error:
-            self.transfer_failures += 1
-            logger.warning("reading a prefix from %s failed (%s): it will be recomputed", holder, error)
-            await self.engine.call(lambda e: e.cache_store.pool.release(pages))
             return False
 
         def insert(engine: LLMEngine) -> None:
