@@ -70,6 +70,26 @@ class ThreadedServer(uvicorn.Server):
         self._socket.close()
 
 
+def serve_for_openai_clients(llm_engine: LLMEngine):
+    """Serve ``llm_engine`` over HTTP for the openai-client tests (yields the running server, then stops both).
+
+    Constrained JSON is compact: random weights would otherwise spend max_tokens on the whitespace JSON allows."""
+    from nebula_engine.engine.async_engine import AsyncLLMEngine
+    from nebula_engine.server.api import build_app
+
+    engine = AsyncLLMEngine(llm_engine)
+    served = ThreadedServer(build_app(engine, MODEL_NAME, disable_any_whitespace=True)).start()
+    yield served
+    served.stop()
+    engine.shutdown()
+
+
+def openai_client(server: ThreadedServer):
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
 @pytest.fixture(scope="session")
 def qwen3_dir(checkpoint_factory):
     return checkpoint_factory(CASES_BY_NAME["qwen3_gqa2_hd20"])

@@ -14,10 +14,8 @@ import pytest
 
 from nebula_engine import SamplingParams
 from nebula_engine.config import EngineConfig
-from nebula_engine.engine.async_engine import AsyncLLMEngine
 from nebula_engine.engine.llm_engine import LLMEngine
-from nebula_engine.server.api import build_app
-from tests.server.conftest import ENGINE_SETTINGS, MODEL_NAME, ThreadedServer
+from tests.server.conftest import ENGINE_SETTINGS, MODEL_NAME, openai_client, serve_for_openai_clients
 
 PROMPTS = ["The quick brown fox", "Once upon a time"]
 CHAT = [{"role": "user", "content": "Name a colour."}]
@@ -25,17 +23,12 @@ CHAT = [{"role": "user", "content": "Name a colour."}]
 
 @pytest.fixture(scope="module")
 def server(qwen3_dir):
-    engine = AsyncLLMEngine(LLMEngine(EngineConfig.create(str(qwen3_dir), **ENGINE_SETTINGS)))
-    # compact constrained JSON: random weights would otherwise spend max_tokens on the whitespace JSON allows
-    served = ThreadedServer(build_app(engine, MODEL_NAME, disable_any_whitespace=True)).start()
-    yield served
-    served.stop()
-    engine.shutdown()
+    yield from serve_for_openai_clients(LLMEngine(EngineConfig.create(str(qwen3_dir), **ENGINE_SETTINGS)))
 
 
 @pytest.fixture()
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    return openai_client(server)
 
 
 def offline(reference_llm, prompt, **params):

@@ -12,10 +12,8 @@ import openai
 import pytest
 
 from nebula_engine.config import EngineConfig
-from nebula_engine.engine.async_engine import AsyncLLMEngine
 from nebula_engine.engine.llm_engine import LLMEngine
-from nebula_engine.server.api import build_app
-from tests.server.conftest import ENGINE_SETTINGS, MODEL_NAME, ThreadedServer
+from tests.server.conftest import ENGINE_SETTINGS, MODEL_NAME, openai_client, serve_for_openai_clients
 
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city.",
@@ -37,17 +35,12 @@ def llm_engine(qwen3_tools_dir):
 
 @pytest.fixture(scope="module")
 def server(llm_engine):
-    engine = AsyncLLMEngine(llm_engine)
-    # compact constrained JSON: random weights would otherwise spend max_tokens on the whitespace JSON allows
-    served = ThreadedServer(build_app(engine, MODEL_NAME, disable_any_whitespace=True)).start()
-    yield served
-    served.stop()
-    engine.shutdown()
+    yield from serve_for_openai_clients(llm_engine)
 
 
 @pytest.fixture()
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    return openai_client(server)
 
 
 def chat(client, messages, **kwargs):
