@@ -124,6 +124,11 @@ class ClusterProfile:
             return 0.0
         return self.kv_bytes_per_token / link.bandwidth_bytes_per_s / self.prefill.per_token_s
 
+    def relative_transfer_latency(self, src: int, dst: int) -> float:
+        """The link's fixed latency in prefill tokens (paid once per source, whatever it sends); 0 on itself."""
+        link = self.link(src, dst)
+        return 0.0 if link is None else link.latency_s / self.prefill.per_token_s
+
     def tier_cost(self, tier: Tier) -> float:
         """Per-token cost, in prefill tokens, of reading a copy on ``tier`` into device memory."""
         link = self.tier_link(tier)

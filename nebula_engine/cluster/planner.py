@@ -44,19 +44,31 @@ logger = logging.getLogger(__name__)
 class TransferCosts:
     """d(w -> c) for every pair, stored by destination: ``to[c][w]`` (and as ``matrix[c, w]`` for the
     compiled planner), and the per-token cost of reading a copy from each tier. A tier without a cost
-    cannot be read (infinite cost). Built once per profile and not modified afterwards."""
+    cannot be read (infinite cost). Built once per profile and not modified afterwards.
 
-    def __init__(self, to: Sequence[Sequence[float]], tier_cost: dict[Tier, float] | None = None):
+    ``latency[c][w]``: the fixed cost, in prefill tokens, that worker w adds to a plan with home c once it
+    sends the home anything (a link's latency; on a local cluster the pin round trip and engine-thread hops).
+    §7.2's estimate has per-token terms only; this term is 0 unless given, which is Algorithm 1 exactly."""
+
+    def __init__(self, to: Sequence[Sequence[float]], tier_cost: dict[Tier, float] | None = None,
+                 latency: Sequence[Sequence[float]] | None = None):
         self.to = [list(column) for column in to]
         self.tier_cost = {**{tier: math.inf for tier in Tier}, **(tier_cost or {}), Tier.DEVICE: 0.0}
         self.num_workers = len(self.to)
         self.matrix = np.array(self.to, dtype=np.float64).reshape(self.num_workers, self.num_workers)
+        self.latency = [list(column) for column in latency] if latency is not None else \
+            [[0.0] * self.num_workers for _ in range(self.num_workers)]
+        if any(self.latency[c][c] for c in range(self.num_workers)):
+            raise ValueError("a worker has no latency to itself")
+        self.latency_matrix = np.array(self.latency, dtype=np.float64).reshape(self.num_workers, self.num_workers)
 
     @classmethod
     def from_profile(cls, profile: ClusterProfile, num_workers: int) -> "TransferCosts":
         to = [[profile.relative_transfer_cost(w, c) for w in range(num_workers)]
               for c in range(num_workers)]
-        return cls(to, {tier: profile.tier_cost(tier) for tier in Tier})
+        latency = [[profile.relative_transfer_latency(w, c) for w in range(num_workers)]
+                   for c in range(num_workers)]
+        return cls(to, {tier: profile.tier_cost(tier) for tier in Tier}, latency)
 
     def copy_cost(self, tier: Tier, src: int, home: int) -> float:
         """Per-token cost, in prefill tokens, of reading a copy on ``tier`` at ``src`` and moving it to ``home``."""
@@ -132,9 +144,10 @@ def summarise(grouped: dict[int, list[int]], costs: TransferCosts) -> dict[int, 
 
 def fixed_transfer(summary: dict[int, tuple[int, float]], home: int,
                    costs: TransferCosts) -> dict[int, float]:
-    """Per source worker: cost of moving to ``home`` (and reading from a slow tier) what it supplies."""
-    column = costs.to[home]
-    return {src: column[src] * tokens + extra for src, (tokens, extra) in summary.items()}
+    """Per source worker: cost of moving to ``home`` (and reading from a slow tier) what it supplies, plus the
+    latency of its link to ``home``."""
+    column, latency = costs.to[home], costs.latency[home]
+    return {src: column[src] * tokens + extra + latency[src] for src, (tokens, extra) in summary.items()}
 
 
 @functools.cache
@@ -231,8 +244,8 @@ class GreedyPlanner:
         queue = np.array(problem.outstanding, dtype=np.float64)
         by_load = np.argsort(queue, kind="stable")
         tokens, extra = supplied_by_source(problem.hits, self.costs)
-        estimates, moved = self.kernel.plan_homes(self.costs.matrix, queue, by_load, cold[order],
-                                                  tokens, extra)
+        estimates, moved = self.kernel.plan_homes(self.costs.matrix, self.costs.latency_matrix, queue, by_load,
+                                                  cold[order], tokens, extra)
         best = estimates.min()
         ties = np.flatnonzero(estimates == best).tolist()  # ascending home, as the Python path sorts
         home = ties[0] if len(ties) == 1 else self.rng.choice(ties)
@@ -279,7 +292,7 @@ class GreedyPlanner:
         Stops early, returning an estimate above ``bound``, once the home cannot end at or below it:
         the maximum over the other workers only grows, so it is a lower bound on the result.
         """
-        column, queue = self.costs.to[home], problem.outstanding
+        column, queue, latency = self.costs.to[home], problem.outstanding, self.costs.latency[home]
         fixed = fixed_transfer(summary, home, self.costs)
         home_fixed = fixed.get(home, 0.0)
         others = max((f for w, f in fixed.items() if w != home), default=0.0) if home in fixed \
@@ -302,7 +315,7 @@ class GreedyPlanner:
             after = mine + length
             d = column[worker]
             # inlined worker_time(queue[worker], after, d, fixed): this is the hot loop
-            target = queue[worker] + after + d * after + get_fixed(worker, 0.0)
+            target = queue[worker] + after + d * after + get_fixed(worker, latency[worker])
             if target < home_time:
                 computed[worker] = after
                 moved[rank] = worker
@@ -318,7 +331,7 @@ class GreedyPlanner:
                 rank += 1
                 continue
             # Rejected: nothing changed, so skip every segment at least as long as the limit.
-            slack = home_time - worker_time(queue[worker], mine, d, get_fixed(worker, 0.0))
+            slack = home_time - worker_time(queue[worker], mine, d, get_fixed(worker, latency[worker]))
             limit = slack / (1.0 + d)
             rank = bisect_right(negated, -(limit + abs(limit) * 1e-9 + 1e-9), rank + 1)
         moves = [(r, w) for r, w in enumerate(moved) if w != home]
@@ -337,6 +350,7 @@ def estimate(problem: PlanningProblem, home: int, cold_workers: Sequence[int],
         tier = next(t for w, t in hit.holders if w == src)
         grouped.setdefault(src, [0] * len(TIERS))[TIERS.index(tier)] += hit.num_tokens
     fixed = fixed_transfer(summarise(grouped, costs), home, costs)
+    latency = costs.latency[home]
     terms = [worker_time(problem.outstanding[w] if computed[w] else 0.0, computed[w], column[w],
-                         fixed.get(w, 0.0)) for w in range(costs.num_workers)]
+                         fixed.get(w, latency[w] if computed[w] else 0.0)) for w in range(costs.num_workers)]
     return max(terms) + problem.combine_cost

@@ -15,9 +15,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-# (rows of to, queue, homes by load, cold lengths longest first, tokens and extra per source)
-PLAN_HOMES_SIGNATURE = "Tuple((float64[::1], int64[:, ::1]))(float64[:, ::1], float64[::1], int64[::1], " \
-                       "int64[::1], int64[:, ::1], float64[:, ::1])"
+# (rows of to, rows of latency, queue, homes by load, cold lengths longest first, tokens and extra per source)
+PLAN_HOMES_SIGNATURE = "Tuple((float64[::1], int64[:, ::1]))(float64[:, ::1], float64[:, ::1], float64[::1], " \
+                       "int64[::1], int64[::1], int64[:, ::1], float64[:, ::1])"
 
 
 @njit("boolean(float64, int64, float64, int64)", cache=True)
@@ -68,7 +68,7 @@ def _home_time(home_queue, remaining, home_fixed):
 
 
 @njit(cache=True)
-def _plan_home(home, column, queue, homes, lengths, fixed, bound, computed, heap_loads, heap_workers,
+def _plan_home(home, column, queue, homes, lengths, fixed, sending, bound, computed, heap_loads, heap_workers,
                moved):
     """Greedy moves for one home, writing the worker of each cold segment (by rank) into ``moved``.
 
@@ -81,7 +81,7 @@ def _plan_home(home, column, queue, homes, lengths, fixed, bound, computed, heap
     # path's max over source workers with default 0.0: transfer costs are never negative.
     others = 0.0
     for worker in range(workers):
-        if worker != home and fixed[worker] > others:
+        if worker != home and sending[worker] and fixed[worker] > others:
             others = fixed[worker]
     if others > bound:
         return others
@@ -129,11 +129,12 @@ def _plan_home(home, column, queue, homes, lengths, fixed, bound, computed, heap
 
 
 @njit(PLAN_HOMES_SIGNATURE, cache=True)
-def plan_homes(to, queue, homes, lengths, tokens, extra):
+def plan_homes(to, latency, queue, homes, lengths, tokens, extra):
     """Run the greedy for every home, least loaded first, pruning against the best estimate so far.
 
     ``to[c, w]`` is d(w -> c); ``tokens[r, w]`` and ``extra[r, w]`` are what worker w supplies from
     cache and its slow-tier read cost, with one row per home (r = c) or a single row shared by all.
+    ``latency[c, w]`` is added to w's fixed cost: paid by a source, and by a worker once it computes for c.
     Returns per-home estimates (pruned homes: some value above the final best) and per-home cold
     assignments by rank, complete only for homes that were not pruned.
     """
@@ -141,6 +142,7 @@ def plan_homes(to, queue, homes, lengths, tokens, extra):
     estimates = np.empty(workers)
     moved = np.empty((workers, segments), np.int64)
     fixed = np.empty(workers)
+    sending = np.empty(workers, np.bool_)
     computed = np.empty(workers, np.int64)
     heap_loads = np.empty(workers)
     heap_workers = np.empty(workers, np.int64)
@@ -149,9 +151,11 @@ def plan_homes(to, queue, homes, lengths, tokens, extra):
         row = 0 if tokens.shape[0] == 1 else home
         column = to[home]
         for worker in range(workers):
-            # fixed_transfer: d(w->c) * tokens w sends + its slow-tier read cost
-            fixed[worker] = column[worker] * tokens[row, worker] + extra[row, worker]
-        estimate = _plan_home(home, column, queue, homes, lengths, fixed, best, computed, heap_loads,
+            # fixed_transfer: d(w->c) * tokens w sends + its slow-tier read cost + the link's latency; a worker
+            # that sends nothing from cache pays the latency once it computes for c (the Python path's default)
+            sending[worker] = tokens[row, worker] != 0
+            fixed[worker] = column[worker] * tokens[row, worker] + extra[row, worker] + latency[home, worker]
+        estimate = _plan_home(home, column, queue, homes, lengths, fixed, sending, best, computed, heap_loads,
                               heap_workers, moved[home])
         estimates[home] = estimate
         if estimate < best:

@@ -105,7 +105,7 @@ class RouterService:
             for peer in self.prefill_peers:
                 self.deliver(peer, wire.PCShare(sender=self.name, pc_share=decision.pc_share))
         home_name = self.prefill_peers[plan.combine_home]
-        sources, local_tasks, flight = [], [], InFlight(msg, attempt, plan.combine_home, plan.combine_task_id)
+        sources, local_tasks, compute_here, flight = [], [], [], InFlight(msg, attempt, plan.combine_home, plan.combine_task_id)
         computed = {s.key for s in plan.segments if s.action is Action.COMPUTE}
         for segment in plan.segments:
             pic_index = keys.pic_indices.index(segment.index)
@@ -118,6 +118,7 @@ class RouterService:
                 flight.tasks.add(segment.task_id)
             elif segment.action is Action.COMPUTE:
                 local_tasks.append(segment.task_id)
+                compute_here.append(pic_index)
             if segment.action in (Action.COMPUTE, Action.REUSE) and segment.worker != plan.combine_home:
                 sources.append(wire.SourceSpec(pic_index, segment.key, holder, segment.key in computed))
         decode = "" if self.decode_here or not self._live_decode_peers() else self._live_decode_peers()[0]
@@ -130,7 +131,7 @@ class RouterService:
             frontend=msg.sender, token_ids=msg.token_ids, segments=msg.segments, params=msg.params,
             pic_backend=spec, sources=sources, local_task_ids=local_tasks, decode_peer=decode,
             prefix_peer=self.prefill_peers[plan.prefix.worker] if remote_prefix else "",
-            prefix_tokens=plan.prefix.num_tokens if remote_prefix else 0))
+            prefix_tokens=plan.prefix.num_tokens if remote_prefix else 0, compute_here=compute_here))
 
     def _live_decode_peers(self) -> list[str]:
         return [p for p in self.decode_peers if p not in self.dead]

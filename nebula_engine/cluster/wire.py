@@ -88,6 +88,7 @@ class Combine(Msg):
     decode_peer: str  # "" = decode here
     prefix_peer: str = ""  # a peer holding the prompt's first ``prefix_tokens`` in its prefix cache: read them
     prefix_tokens: int = 0
+    compute_here: list[int] = []  # PIC indices of cold segments planned on this worker (prefilled while it fetches)
 
 
 class SnapshotRequest(Msg):

@@ -18,9 +18,11 @@ Engine state is only touched through ``AsyncLLMEngine.call`` (the engine's own t
 from __future__ import annotations
 
 import asyncio
+import collections
 import io
 import itertools
 import logging
+import time
 from dataclasses import replace
 from typing import Any, Callable
 
@@ -45,6 +47,7 @@ logger = logging.getLogger(__name__)
 PIN_TIMEOUT_S = 10.0
 TRANSFER_TIMEOUT_S = 10.0
 HANDOFF_TIMEOUT_S = TRANSFER_TIMEOUT_S + 5  # a live decode peer reads within its transfer timeout
+MAX_ABANDONED_PINS = 4096  # remembered unanswered pins; older ones are forgotten (their holder is long gone)
 
 
 def params_to_wire(params: SamplingParams) -> wire.Params:
@@ -119,6 +122,8 @@ class WorkerService:
         self.pic_key = pic_key  # (wire spec, segment ids) -> store key, the same function the router plans with
         self._tags = itertools.count()
         self._pin_replies: dict[str, asyncio.Future] = {}
+        # pins given up on (no reply in time, holder counted dead): their unpin, sent if the reply still comes
+        self._abandoned_pins: collections.OrderedDict[str, wire.Msg] = collections.OrderedDict()
         self._appeared: dict[str, asyncio.Event] = {}  # PIC key -> set when a task computing it here is done
         self._computing: dict[str, int] = {}  # PIC key -> tasks (scatter or combine) computing it here
         self._pinned: dict[str, list] = {}  # key -> locked entries pinned for remote readers
@@ -175,6 +180,7 @@ class WorkerService:
                                        seq=self._take_seqs(1), request_id=msg.request_id))
 
     async def on_combine(self, msg: wire.Combine) -> None:
+        start = time.monotonic()
         task = asyncio.current_task()
         self._streams[msg.request_id] = task
         computing: list[str] = []
@@ -186,11 +192,18 @@ class WorkerService:
             backend = backend_arg(msg.pic_backend)
             remote = [s for s in msg.sources if s.peer and s.peer != self.name]
             prefix_read = self._fetch_prefix(msg) if msg.prefix_peer and msg.prefix_peer != self.name else None
-            copied, _ = await asyncio.gather(
+            # while remote KV is pinned and read, the cold segments planned here are prefilled (else the combine
+            # would compute them only after the last read)
+            waits = bool(remote) or prefix_read is not None
+            prefilled_here = self._prefill_here(msg, segmented) if waits and msg.compute_here else None
+            copied, _, computed_here = await asyncio.gather(
                 asyncio.gather(*(self._fetch(s, segmented, msg.pic_backend) for s in remote)),
-                prefix_read or asyncio.sleep(0))
+                prefix_read or asyncio.sleep(0), prefilled_here or asyncio.sleep(0, result=[]))
             copied_keys = {s.key for s, ok in zip(remote, copied) if ok}
-            fresh = {s.segment_index for s in remote if s.fresh and s.key in copied_keys}
+            fresh = {s.segment_index for s in remote if s.fresh and s.key in copied_keys} | set(computed_here)
+            if waits:
+                logger.debug("combine %s: read %d/%d remote segments, prefilled %d here; KV ready after %.3f s",
+                             msg.request_id, len(copied_keys), len(remote), len(computed_here), time.monotonic() - start)
             if msg.decode_peer and msg.decode_peer != self.name and self.liveness.alive(msg.decode_peer):
                 await self._prefill_and_hand_off(msg, segmented, params, backend, fresh)
             else:
@@ -209,6 +222,30 @@ class WorkerService:
             for task_id in [msg.task_id, *msg.local_task_ids]:
                 self._report(wire.TaskDone(sender=self.name, worker_index=self.worker_index, task_id=task_id,
                                            seq=self._take_seqs(1), request_id=msg.request_id))
+
+    async def _prefill_here(self, msg: wire.Combine, segmented: SegmentedPrompt) -> list[int]:
+        """Prefill the combine's cold segments planned on this worker into its PIC store; the PIC indices of those
+        it computed (their tokens are no cache hits when the combine finds them). On failure the combine computes
+        them itself."""
+        segments = {index: list(segmented.segment_ids(segmented.pic_segments[index])) for index in msg.compute_here}
+
+        def prefill(engine: LLMEngine) -> list[int]:
+            backend = engine.resolve_request_backend(backend_arg(msg.pic_backend))
+            if backend is None:
+                return []
+            cold = [index for index, ids in segments.items()
+                    if engine.cache_store.pic.lookup(self.pic_key(msg.pic_backend, ids)) is None]
+            entries = engine.model_runner.pic_executor.lookup_or_prefill_many(backend, [segments[i] for i in cold])
+            for entry in entries:
+                if entry is not None:
+                    engine.cache_store.pic.unlock(entry)
+            return [index for index, entry in zip(cold, entries) if entry is not None]
+
+        try:
+            return await self.engine.call(prefill)
+        except Exception:
+            logger.exception("prefilling the local segments of %s failed; the combine computes them", msg.request_id)
+            return []
 
     def _fail(self, msg: wire.Combine | wire.Handoff, message: str, client_error: bool,
               resumable: bool = False) -> None:
@@ -276,59 +313,86 @@ class WorkerService:
     # ---- remote segments ----
     async def _fetch(self, source: wire.SourceSpec, segmented: SegmentedPrompt, spec: str | None) -> bool:
         """Copy segment ``source`` from its holder into the local PIC store; True when it was copied. On any
-        failure it stays uncached here and the combine computes it."""
+        failure it stays uncached here and the combine computes it. Local pages are allocated while the pin
+        travels, so the copy waits for this engine's thread once more (the insert), not twice."""
         segment = segmented.pic_segments[source.segment_index]
         ids = list(segmented.segment_ids(segment))
         tag = f"{self.name}/{next(self._tags)}"
+        start = time.monotonic()
         reply_future = asyncio.get_running_loop().create_future()
         self._pin_replies[tag] = reply_future
         self.send(source.peer, wire.PinSegment(sender=self.name, tag=tag, key=source.key, num_tokens=len(ids),
                                                wait_s=PIN_TIMEOUT_S / 2))
+        page_size = self.engine.engine.cache_store.page_size
+        allocation = asyncio.ensure_future(self._allocate(  # unless it arrived here meanwhile
+            -(-len(ids) // page_size), needed=lambda e: e.cache_store.pic.lookup(source.key) is None))
         try:
             outcome = await self._unless_dead(reply_future, source.peer, PIN_TIMEOUT_S)
+        except asyncio.CancelledError:
+            asyncio.ensure_future(self._release_when_allocated(allocation))
+            raise
         finally:
             self._pin_replies.pop(tag, None)
+        pages = await allocation
         if outcome != "done":
             self.transfer_failures += 1
+            self._abandon_pin(tag, wire.Unpin(sender=self.name, key=source.key))
             logger.warning("no pin reply from %s for %s (%s): computing it here", source.peer, source.key, outcome)
+            await self._release(pages)
             return False
         reply = reply_future.result()
         if not reply.ok:
+            await self._release(pages)
             return False
+        pinned = time.monotonic()
         try:
-            return await self._copy_in(source, ids, reply)
+            return await self._copy_in(source, ids, reply, pages)
         finally:
             self.send(source.peer, wire.Unpin(sender=self.name, key=source.key))
+            logger.debug("segment of %d tokens from %s: pinned after %.4f s, in the store after %.4f s%s", len(ids),
+                         source.peer, pinned - start, time.monotonic() - start, " (prefilled for it)" * source.fresh)
 
-    async def _read_into_new_pages(self, holder: str, remote_pages: list[int], what: str,
-                                   needed=lambda engine: True) -> list[int] | None:
-        """Allocate local pages (on the engine thread) and read ``holder``'s ``remote_pages`` into them. None, holding
-        nothing, when ``needed(engine)`` says no, the pool is full or the read fails (then ``what`` is recomputed)."""
+    async def _allocate(self, num_pages: int, needed=lambda engine: True) -> list[int] | None:
+        """``num_pages`` free local pages (taken on the engine thread); None when ``needed(engine)`` says no or the
+        pool is full."""
         def allocate(engine: LLMEngine):
             if not needed(engine):
                 return None
             try:
-                return engine.cache_store.pool.allocate(len(remote_pages))
+                return engine.cache_store.pool.allocate(num_pages)
             except OutOfPagesError:
                 return None
 
-        pages = await self.engine.call(allocate)
-        if pages is None:
-            return None
+        return await self.engine.call(allocate)
+
+    async def _release_when_allocated(self, allocation: asyncio.Future) -> None:
+        await self._release(await allocation)
+
+    async def _release(self, pages: list[int] | None) -> None:
+        if pages:
+            await self.engine.call(lambda e: e.cache_store.pool.release(pages))
+
+    async def _read_into(self, holder: str, remote_pages: list[int], pages: list[int], what: str) -> bool:
+        """Read ``holder``'s ``remote_pages`` into local ``pages``; on failure the pages are released (and ``what`` is
+        recomputed)."""
         try:
             self.transfer_bytes += await asyncio.to_thread(self.agent.read_pages, holder, remote_pages, pages,
                                                            TRANSFER_TIMEOUT_S)
         except (TransferError, ValueError) as error:
             self.transfer_failures += 1
             logger.warning("reading %s from %s failed (%s): it will be recomputed", what, holder, error)
-            await self.engine.call(lambda e: e.cache_store.pool.release(pages))
-            return None
-        return pages
+            await self._release(pages)
+            return False
+        return True
 
-    async def _copy_in(self, source: wire.SourceSpec, ids: list[int], reply: wire.PinReply) -> bool:
-        pages = await self._read_into_new_pages(  # unless it arrived here meanwhile
-            source.peer, reply.pages, source.key, needed=lambda e: e.cache_store.pic.lookup(source.key) is None)
+    async def _copy_in(self, source: wire.SourceSpec, ids: list[int], reply: wire.PinReply,
+                       pages: list[int] | None) -> bool:
         if pages is None:
+            return False
+        if len(reply.pages) != len(pages):  # the holder's entry is laid out otherwise (another page size)
+            await self._release(pages)
+            return False
+        if not await self._read_into(source.peer, reply.pages, pages, source.key):
             return False
         state = _state_from_bytes(reply.state)
 
@@ -361,6 +425,7 @@ class WorkerService:
             self._pin_replies.pop(tag, None)
         if outcome != "done":
             self.transfer_failures += 1
+            self._abandon_pin(tag, wire.UnpinPrefix(sender=self.name, tag=tag))
             logger.warning("no prefix pin reply from %s (%s): computing it here", msg.prefix_peer, outcome)
             return False
         reply = reply_future.result()
@@ -372,8 +437,8 @@ class WorkerService:
 
     async def _copy_prefix_in(self, holder: str, token_ids: list[int], remote_pages: list[int]) -> bool:
         page_size = self.engine.engine.cache_store.page_size
-        pages = await self._read_into_new_pages(holder, remote_pages, "a prefix")
-        if pages is None:
+        pages = await self._allocate(len(remote_pages))
+        if pages is None or not await self._read_into(holder, remote_pages, pages, "a prefix"):
             return False
 
         def insert(engine: LLMEngine) -> None:
@@ -425,10 +490,19 @@ class WorkerService:
         self.send(msg.sender, wire.PinReply(sender=self.name, tag=msg.tag, ok=found is not None, pages=pages,
                                             state=state))
 
+    def _abandon_pin(self, tag: str, unpin: wire.Msg) -> None:
+        self._abandoned_pins[tag] = unpin
+        while len(self._abandoned_pins) > MAX_ABANDONED_PINS:  # replies from holders that died never come
+            self._abandoned_pins.popitem(last=False)
+
     def on_pin_reply(self, msg: wire.PinReply) -> None:
         future = self._pin_replies.get(msg.tag)
         if future is not None and not future.done():
             future.set_result(msg)
+            return
+        unpin = self._abandoned_pins.pop(msg.tag, None)
+        if unpin is not None and msg.ok:  # a reply after we gave up: the holder pinned for nothing; release it
+            self.send(msg.sender, unpin)
 
     async def on_unpin(self, msg: wire.Unpin) -> None:
         def unpin(engine: LLMEngine) -> None:
@@ -442,6 +516,7 @@ class WorkerService:
 
     # ---- decode side ----
     async def on_handoff(self, msg: wire.Handoff) -> None:
+        start = time.monotonic()
         task = asyncio.current_task()
         self._streams[msg.request_id] = task
         params = params_from_wire(msg.params)

@@ -112,6 +112,8 @@ def test_load_beats_recompute_on_slow_tier():
 def test_transfer_costs_from_profile_follow_topology():
     profile = ClusterProfile.load()
     costs = TransferCosts.from_profile(profile, 7)
+    assert costs.latency[0][0] == 0.0
+    assert costs.latency[0][5] == pytest.approx(profile.inter_node.latency_s / profile.prefill.per_token_s)
     assert costs.to[0][0] == 0.0
     same_node, other_node = costs.to[0][1], costs.to[0][5]
     assert 0 < same_node < other_node < 1
@@ -135,6 +137,38 @@ def test_pure_python_loop_matches_literal_algorithm_1(seed):
     planner = GreedyPlanner(costs, seed, compiled=False)
     assert planner.kernel is None
     assert planner.plan(problem) == reference_plan(problem, costs, random.Random(seed))
+
+
+def costs_with_latency(rng: random.Random, workers: int) -> TransferCosts:
+    costs = random_costs(rng, workers)
+    latency = [[0.0 if w == c else rng.choice([0.0, 5.0, 40.0, rng.random() * 100]) for w in range(workers)]
+               for c in range(workers)]
+    return TransferCosts(costs.to, {Tier.HOST: costs.tier_cost[Tier.HOST]}, latency)
+
+
+@pytest.mark.parametrize("compiled", [None, False])
+@pytest.mark.parametrize("seed", range(200))
+def test_both_loops_match_literal_algorithm_1_with_link_latency(seed, compiled):
+    rng = random.Random(seed)
+    workers = rng.randint(1, 6)
+    costs = costs_with_latency(rng, workers)
+    problem = random_problem(rng, workers, rng.randint(0, 14))
+    assert GreedyPlanner(costs, seed, compiled=compiled).plan(problem) == \
+        reference_plan(problem, costs, random.Random(seed))
+
+
+def test_link_latency_keeps_short_segments_at_the_home_and_still_spreads_long_ones():
+    def plan(cold, latency):
+        costs = TransferCosts([[0.0, 0.01], [0.01, 0.0]], latency=[[0.0, latency], [latency, 0.0]])
+        return GreedyPlanner(costs, compiled=False).plan(PlanningProblem((), cold, (0.0, 0.0), 0.0))
+
+    assert set(plan((30, 30), latency=0.0).cold_workers) == {0, 1}  # Algorithm 1 splits them
+    assert set(plan((30, 30), latency=40.0).cold_workers) == {plan((30, 30), latency=40.0).home}
+    assert set(plan((300, 300), latency=40.0).cold_workers) == {0, 1}  # worth a round trip
+    # a source pays its link's latency once, whatever it sends
+    hit = PlanningProblem((Hit(20, ((1, Tier.DEVICE),)),), (200,), (0.0, 0.0), 0.0)
+    costs = TransferCosts([[0.0, 0.01], [0.01, 0.0]], latency=[[0.0, 40.0], [40.0, 0.0]])
+    assert estimate(hit, 0, [0], [1], costs) == max(200, 0.01 * 20 + 40.0)
 
 
 def large_problem(rng: random.Random, workers: int, segments: int, tied_loads: bool) -> PlanningProblem:

@@ -61,6 +61,8 @@ def test_a_request_becomes_one_combine_and_scatters_for_remote_cold_segments(rou
     assert scatters and all(peer != home for peer, _ in scatters)
     assert {s.segment_index for s in combine.sources} == {m.segment_index for _, m in scatters}
     assert len(combine.local_task_ids) + len(scatters) == 4
+    # the cold segments planned on the home itself are named, so it prefills them while it fetches the others
+    assert sorted(combine.compute_here + [m.segment_index for _, m in scatters]) == [0, 1, 2, 3]
     assert "r1" in service.in_flight
     # a segment prefilled for this request and read back is no cache hit: the home is told so
     assert all(source.fresh for source in combine.sources)

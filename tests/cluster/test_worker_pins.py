@@ -1,0 +1,78 @@
+"""A worker's pins on other peers' KV without processes: the test plays the holder. A pin the worker gave up on must
+not stay pinned on its holder when the reply comes late."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from nebula_engine.cluster import wire
+from nebula_engine.cluster.liveness import Liveness
+from nebula_engine.cluster.worker import WorkerService
+from nebula_engine.config import EngineConfig
+from nebula_engine.engine.async_engine import AsyncLLMEngine
+from nebula_engine.pic.segments import PromptSegment, SegmentedPrompt, SegmentKind
+from tests.model_cases import CASES_BY_NAME, checkpoint_factory  # noqa: F401  (fixture)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint_factory):
+    model = checkpoint_factory(CASES_BY_NAME["qwen3_gqa2_hd20"])
+    running = AsyncLLMEngine.from_config(EngineConfig.create(str(model), page_size=4, num_pages=64))
+    yield running
+    running.shutdown()
+
+
+def worker_with_dead_holder(engine: AsyncLLMEngine) -> tuple[WorkerService, list]:
+    """A worker on ``engine`` whose only other peer, "holder", has been silent past its timeout."""
+    clock, sent = Clock(), []
+    liveness = Liveness("me", ["me", "holder"], dead_after_s=3.0, clock=clock)
+    clock.now += 10.0
+    worker = WorkerService("me", "prefill", 0, engine, agent=None, send=lambda peer, msg: sent.append((peer, msg)),
+                           leader=lambda: "me", pic_key=lambda spec, ids: "key", liveness=liveness)
+    return worker, sent
+
+
+def test_a_late_segment_pin_reply_is_answered_with_an_unpin(engine):
+    worker, sent = worker_with_dead_holder(engine)
+    segmented = SegmentedPrompt(tuple(range(100, 112)), (PromptSegment(SegmentKind.PIC, 0, 8),
+                                                         PromptSegment(SegmentKind.REGULAR, 8, 4)))
+    source = wire.SourceSpec(segment_index=0, key="key", peer="holder")
+
+    copied = asyncio.run(worker._fetch(source, segmented, "epic"))
+
+    assert copied is False and worker.transfer_failures == 1
+    (peer, pin), = sent
+    assert peer == "holder" and isinstance(pin, wire.PinSegment)
+    worker.on_pin_reply(wire.PinReply(sender="holder", tag=pin.tag, ok=True, pages=[1, 2], state=b""))
+    assert sent[-1] == ("holder", wire.Unpin(sender="me", key="key"))
+    worker.on_pin_reply(wire.PinReply(sender="holder", tag=pin.tag, ok=True, pages=[1, 2], state=b""))
+    assert len(sent) == 2  # one unpin per pin, however often the reply arrives
+
+
+def test_a_late_prefix_pin_reply_is_answered_with_an_unpin_and_a_refusal_with_nothing(engine):
+    worker, sent = worker_with_dead_holder(engine)
+    combine = wire.Combine(sender="router", task_id="t", request_id="r", attempt=0, frontend="me",
+                           token_ids=list(range(100, 140)), segments=[], params=wire.Params(fields={}),
+                           pic_backend=None, sources=[], local_task_ids=[], decode_peer="", prefix_peer="holder",
+                           prefix_tokens=32)
+
+    assert asyncio.run(worker._fetch_prefix(combine)) is False
+    (_, pin), = sent
+    assert isinstance(pin, wire.PinPrefix) and len(pin.token_ids) == 32
+    worker.on_pin_reply(wire.PinReply(sender="holder", tag=pin.tag, ok=True, pages=list(range(8))))
+    assert sent[-1] == ("holder", wire.UnpinPrefix(sender="me", tag=pin.tag))
+
+    asyncio.run(worker._fetch_prefix(combine))
+    refused = sent[-1][1]
+    worker.on_pin_reply(wire.PinReply(sender="holder", tag=refused.tag, ok=False))
+    assert sent[-1][1] is refused  # nothing was pinned, so nothing is unpinned
