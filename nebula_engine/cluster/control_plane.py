@@ -56,7 +56,8 @@ class ControlPlane:
         holder, depth = home, depths.get(home, 0)
         if self.policy.name == "nebula":
             deepest = max(depths.items(), key=lambda item: (item[1], item[0] == home), default=(home, 0))
-            if deepest[1] > depth and self.costs.load_beats_recompute(Tier.DEVICE, deepest[0], home):
+            extra_tokens = keys.prefix_tokens(deepest[1]) - keys.prefix_tokens(depth)
+            if deepest[1] > depth and self.costs.load_beats_recompute(Tier.DEVICE, deepest[0], home, extra_tokens):
                 holder, depth = deepest
         prefix = PrefixPlan(holder, depth, keys.prefix_tokens(depth)) if depth else None
         segments, placed = [], {}
@@ -82,7 +83,7 @@ class ControlPlane:
         if holders:
             source, record = min(holders.items(),
                                  key=lambda item: (self.costs.copy_cost(item[1].tier, item[0], home), item[0]))
-            if self.costs.load_beats_recompute(record.tier, source, home):
+            if self.costs.load_beats_recompute(record.tier, source, home, tokens):
                 return SegmentPlan(index, key, tokens, source, Action.REUSE, tier=record.tier)
         return SegmentPlan(index, key, tokens, home, Action.COMPUTE, task_id=f"{keys.request_id}/scatter/{index}")
 

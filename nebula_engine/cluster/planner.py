@@ -74,10 +74,10 @@ class TransferCosts:
         """Per-token cost, in prefill tokens, of reading a copy on ``tier`` at ``src`` and moving it to ``home``."""
         return self.tier_cost[tier] + self.to[home][src]
 
-    def load_beats_recompute(self, tier: Tier, src: int, home: int) -> bool:
-        """Is reading the copy on ``tier`` at ``src`` and moving it to ``home`` cheaper than recomputing it
-        (one prefill token per token)?"""
-        return self.copy_cost(tier, src, home) < 1.0
+    def load_beats_recompute(self, tier: Tier, src: int, home: int, num_tokens: float) -> bool:
+        """Is reading the ``num_tokens`` copy on ``tier`` at ``src`` and moving it to ``home`` (the link's latency
+        included) cheaper than recomputing it (one prefill token per token)?"""
+        return self.copy_cost(tier, src, home) * num_tokens + self.latency[home][src] < num_tokens
 
 
 @dataclass(frozen=True)

@@ -145,13 +145,14 @@ class NebulaPolicy(Policy):
         return problem, hit_index, cold_index
 
     def _dearer_than_recompute(self, keys, problem, placed, hit_index) -> list[str]:
-        """Contents of hits read from a slow tier whose copy costs more to load and move to the home than to
-        recompute it (§7.2's d(w -> c) plus the tier's read cost, against one prefill token per token).
-        Device copies are always reused, as Algorithm 1 does."""
+        """Contents of hits whose copy costs more to load and move to the home than to recompute it (§7.2's
+        d(w -> c) plus the tier's read cost per token, and the link's latency once, against one prefill token
+        per token). With no latency a device copy always passes, as in Algorithm 1; with it, a short segment on
+        another worker is recomputed rather than fetched."""
         dear = []
         for index, hit, src in zip(hit_index, problem.hits, placed.hit_sources):
             tier = next(t for w, t in hit.holders if w == src)
-            if index >= 0 and tier is not Tier.DEVICE and not self.costs.load_beats_recompute(tier, src, placed.home):
+            if index >= 0 and not self.costs.load_beats_recompute(tier, src, placed.home, hit.num_tokens):
                 dear.append(keys.content_ids[index])
         return dear
 

@@ -105,8 +105,15 @@ def test_hit_source_prefers_home_then_cheapest_copy():
 
 def test_load_beats_recompute_on_slow_tier():
     costs = uniform_costs(2, d=0.1, host=0.5)
-    assert costs.load_beats_recompute(Tier.HOST, 0, 1)
-    assert not uniform_costs(2, d=0.6, host=0.5).load_beats_recompute(Tier.HOST, 0, 1)
+    assert costs.load_beats_recompute(Tier.HOST, 0, 1, 100)
+    assert not uniform_costs(2, d=0.6, host=0.5).load_beats_recompute(Tier.HOST, 0, 1, 100)
+
+
+def test_load_beats_recompute_pays_the_link_latency_once():
+    costs = TransferCosts([[0.0, 0.1], [0.1, 0.0]], latency=[[0.0, 50.0], [50.0, 0.0]])
+    assert not costs.load_beats_recompute(Tier.DEVICE, 0, 1, 50)  # 0.1 * 50 + 50 > 50
+    assert costs.load_beats_recompute(Tier.DEVICE, 0, 1, 60)  # 0.1 * 60 + 50 < 60
+    assert costs.load_beats_recompute(Tier.DEVICE, 1, 1, 1)  # its own copy
 
 
 def test_transfer_costs_from_profile_follow_topology():

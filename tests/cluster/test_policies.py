@@ -144,6 +144,20 @@ def test_slow_tier_copy_is_read_only_when_loading_and_moving_it_beats_recompute(
     assert [(s.action, s.worker) for s in dear.segments if s.key == "doc"] == [(Action.COMPUTE, 0)]
 
 
+def test_a_short_device_copy_behind_a_slow_link_is_recomputed_at_the_home():
+    """A device copy costs the link's latency once: not worth it for a segment shorter than that."""
+    latency = [[0.0, 150.0], [150.0, 0.0]]
+    for doc_tokens, action in ((100, Action.COMPUTE), (400, Action.REUSE)):
+        plane = ControlPlane(ClusterConfig(num_prefill_workers=2), "nebula",
+                             costs=TransferCosts([[0.0, 0.1], [0.1, 0.0]], latency=latency))
+        plane.on_event(StoreEvent(1, 1, CacheKind.PIC, "doc", doc_tokens), now=0.0)
+        plane.on_event(StoreEvent(0, 1, CacheKind.PIC, "big", 1000), now=0.0)
+        keys = RequestKeys.of(request("r", ("I", "big", 1000), ("I", "doc", doc_tokens), ("R", "q", 5)))
+        plan = plane.on_request(keys, now=1.0).plan
+        assert plan.combine_home == 0
+        assert [s.action for s in plan.segments if s.key == "doc"] == [action]
+
+
 def test_pinned_home_reads_the_cheapest_copy_worth_reading():
     keys = RequestKeys.of(request("r", ("I", "doc", 100), ("R", "q", 5)))
     plan = slow_tier_plane(d=0.6, host=0.5).on_request(keys, now=1.0, home=0).plan
