@@ -96,8 +96,31 @@ def absorbed_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Ten
     return torch.einsum("thr,hvr->thv", o_lat, params.w_uv.to(q_nope.dtype))
 
 
+def batched_absorbed_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
+                            block_tables: torch.Tensor, seq_lens: torch.Tensor, params: MLAParams) -> torch.Tensor:
+    """One new token per sequence: q_nope [B, H, Dn], q_pe [B, H, Dr] over each sequence's first ``seq_lens[b]``
+    cache rows (pages ``block_tables[b]``) -> [B, H, Dv]; ``absorbed_attention`` for the whole batch at once.
+
+    Contexts are read as [B, Lmax, R + Dr] (one page gather); rows past a sequence's length are zeroed (the pool
+    is uninitialised memory) and masked out of the softmax. W_UK and W_UV are applied as one batched matmul
+    over heads each.
+    """
+    rank, page_size, max_len = params.kv_b.shape[-1], cache.shape[1], int(seq_lens.max())
+    pages = block_tables[:, : -(-max_len // page_size)]
+    rows = cache[pages].flatten(1, 2)[:, :max_len].to(q_nope.dtype)  # [B, Lmax, R + Dr]
+    valid = torch.arange(max_len, device=rows.device) < seq_lens[:, None]  # [B, Lmax]
+    rows = rows.masked_fill(~valid[..., None], 0.0)
+    q_lat = torch.bmm(q_nope.transpose(0, 1), params.w_uk.to(q_nope.dtype))  # [H, B, R]
+    query = torch.cat([q_lat.transpose(0, 1), q_pe], dim=-1) * params.scale  # [B, H, R + Dr]
+    scores = torch.bmm(query, rows.transpose(1, 2)).masked_fill_(~valid[:, None, :], float("-inf"))  # [B, H, Lmax]
+    probs = scores.float().softmax(dim=-1).to(q_nope.dtype)
+    o_lat = torch.bmm(probs, rows[..., :rank])  # [B, H, R]
+    return torch.bmm(o_lat.transpose(0, 1), params.w_uv.to(q_nope.dtype).transpose(1, 2)).transpose(0, 1)
+
+
 class TorchMLAAttention(MLAAttentionBackend):
-    """Reference backend: scatter rows into pages; per sequence, absorbed for decode, decompressed otherwise."""
+    """Reference backend: scatter rows into pages; every decode token of the batch in one absorbed call,
+    prefill chunks decompressed per sequence."""
 
     name = "torch"
 
@@ -105,7 +128,13 @@ class TorchMLAAttention(MLAAttentionBackend):
         if cache is not None and meta.slot_mapping is not None:
             write_latent(cache, latent, k_pe, meta.slot_mapping)
         out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], params.kv_b.shape[1] - params.nope_dim)
+        decoding = self._decoding(cache, meta)
+        if decoding:
+            self._decode(q_nope, q_pe, cache, meta, params, decoding, out)
+        decoded = set(decoding)
         for b in range(meta.num_seqs):
+            if b in decoded:
+                continue
             start, end = meta.query_start_loc[b], meta.query_start_loc[b + 1]
             q_len, ctx_len = end - start, meta.seq_lens[b]
             if meta.query_positions is not None:
@@ -113,19 +142,35 @@ class TorchMLAAttention(MLAAttentionBackend):
                 ctx_latent, ctx_k_pe = rows.to(latent.dtype).split([params.kv_b.shape[-1], k_pe.shape[-1]], dim=-1)
                 out[start:end] = decompressed_attention(q_nope[start:end], q_pe[start:end], ctx_latent, ctx_k_pe,
                                                         params, meta.query_positions[start:end])
-                continue
-            if q_len == ctx_len or cache is None:
+            elif q_len == ctx_len or cache is None:
                 out[start:end] = decompressed_attention(q_nope[start:end], q_pe[start:end], latent[start:end],
                                                         k_pe[start:end], params)
-                continue
-            rows = gather_latent(cache, meta.block_tables[b], ctx_len)
-            if q_len == 1:
-                out[start:end] = absorbed_attention(q_nope[start:end], q_pe[start:end], rows, params)
             else:
+                rows = gather_latent(cache, meta.block_tables[b], ctx_len)
                 ctx_latent, ctx_k_pe = rows.to(latent.dtype).split([params.kv_b.shape[-1], k_pe.shape[-1]], dim=-1)
                 out[start:end] = decompressed_attention(q_nope[start:end], q_pe[start:end], ctx_latent, ctx_k_pe,
                                                         params)
         return out
+
+    @staticmethod
+    def _decoding(cache, meta) -> list[int]:
+        """The sequences whose one new token continues a cached context (absorbed decode)."""
+        if cache is None or meta.query_positions is not None:
+            return []
+        starts = meta.query_start_loc
+        return [b for b in range(meta.num_seqs) if starts[b + 1] - starts[b] == 1 and meta.seq_lens[b] > 1]
+
+    @staticmethod
+    def _decode(q_nope, q_pe, cache, meta, params, decoding, out) -> None:
+        if len(decoding) == meta.num_seqs:  # a pure decode batch: token b is sequence b
+            out[:] = batched_absorbed_decode(q_nope, q_pe, cache, meta.block_tables,
+                                             torch.tensor(meta.seq_lens, device=cache.device), params)
+            return
+        index = torch.tensor(decoding, device=cache.device)
+        tokens = torch.tensor([meta.query_start_loc[b] for b in decoding], device=cache.device)
+        seq_lens = torch.tensor([meta.seq_lens[b] for b in decoding], device=cache.device)
+        out[tokens] = batched_absorbed_decode(q_nope[tokens], q_pe[tokens], cache, meta.block_tables[index],
+                                              seq_lens, params)
 
 
 _BACKENDS: dict[str, type[MLAAttentionBackend]] = {"torch": TorchMLAAttention}
