@@ -74,16 +74,20 @@ def gather_latent(cache: torch.Tensor, block_table: torch.Tensor, length: int) -
     return cache.index_select(0, pages).flatten(0, 1)[:length]
 
 
+def decompress(latent: torch.Tensor, k_pe: torch.Tensor, params: MLAParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """latent [L, R], k_pe [L, Dr] -> K [L, H, Dn + Dr] (= [W_UK,h c̃; k_pe]), V [L, H, Dv] (= W_UV,h c̃)."""
+    heads, nope = params.kv_b.shape[0], params.nope_dim
+    kv = F.linear(latent, params.kv_b.flatten(0, 1)).view(latent.shape[0], heads, -1)  # [L, H, Dn + Dv]
+    return torch.cat([kv[..., :nope], k_pe[:, None, :].expand(-1, heads, -1)], dim=-1), kv[..., nope:]
+
+
 def decompressed_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
                            params: MLAParams, q_positions: torch.Tensor | None = None) -> torch.Tensor:
     """q [Lq, H, ·] are the last Lq tokens of the L-token context latent [L, R], k_pe [L, Dr] -> [Lq, H, Dv].
 
     ``q_positions`` [Lq]: the queries sit at these context positions instead (PIC partial recompute)."""
-    heads, nope = params.kv_b.shape[0], params.nope_dim
-    kv = F.linear(latent, params.kv_b.flatten(0, 1)).view(latent.shape[0], heads, -1)  # [L, H, Dn + Dv]
-    k = torch.cat([kv[..., :nope], k_pe[:, None, :].expand(-1, heads, -1)], dim=-1)  # [L, H, Dn + Dr]
-    return causal_attention(torch.cat([q_nope, q_pe], dim=-1), k, kv[..., nope:], params.scale,
-                            q_positions=q_positions)
+    k, v = decompress(latent, k_pe, params)
+    return causal_attention(torch.cat([q_nope, q_pe], dim=-1), k, v, params.scale, q_positions=q_positions)
 
 
 def absorbed_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor,
@@ -119,8 +123,8 @@ def batched_absorbed_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: tor
 
 
 class TorchMLAAttention(MLAAttentionBackend):
-    """Reference backend: scatter rows into pages; every decode token of the batch in one absorbed call,
-    prefill chunks decompressed per sequence."""
+    """Reference backend: scatter rows into pages; every decode token of the batch in one absorbed call, the new
+    tokens of wholly new sequences decompressed in one matmul, other prefill chunks decompressed per sequence."""
 
     name = "torch"
 
@@ -128,37 +132,35 @@ class TorchMLAAttention(MLAAttentionBackend):
         if cache is not None and meta.slot_mapping is not None:
             write_latent(cache, latent, k_pe, meta.slot_mapping)
         out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], params.kv_b.shape[1] - params.nope_dim)
-        decoding = self._decoding(cache, meta)
+        starts, rank = meta.query_start_loc, params.kv_b.shape[-1]
+        decoding, fresh, continuing = self._partition(cache, meta)
         if decoding:
             self._decode(q_nope, q_pe, cache, meta, params, decoding, out)
-        decoded = set(decoding)
-        for b in range(meta.num_seqs):
-            if b in decoded:
-                continue
-            start, end = meta.query_start_loc[b], meta.query_start_loc[b + 1]
-            q_len, ctx_len = end - start, meta.seq_lens[b]
-            if meta.query_positions is not None:
-                rows = gather_latent(cache, meta.block_tables[b], ctx_len)
-                ctx_latent, ctx_k_pe = rows.to(latent.dtype).split([params.kv_b.shape[-1], k_pe.shape[-1]], dim=-1)
-                out[start:end] = decompressed_attention(q_nope[start:end], q_pe[start:end], ctx_latent, ctx_k_pe,
-                                                        params, meta.query_positions[start:end])
-            elif q_len == ctx_len or cache is None:
-                out[start:end] = decompressed_attention(q_nope[start:end], q_pe[start:end], latent[start:end],
-                                                        k_pe[start:end], params)
-            else:
-                rows = gather_latent(cache, meta.block_tables[b], ctx_len)
-                ctx_latent, ctx_k_pe = rows.to(latent.dtype).split([params.kv_b.shape[-1], k_pe.shape[-1]], dim=-1)
-                out[start:end] = decompressed_attention(q_nope[start:end], q_pe[start:end], ctx_latent, ctx_k_pe,
-                                                        params)
+        if fresh:
+            self._prefill_fresh(q_nope, q_pe, latent, k_pe, meta, params, fresh, out)
+        for b in continuing:  # a prefill chunk after cached context, or PIC's scattered recompute rows
+            start, end = starts[b], starts[b + 1]
+            rows = gather_latent(cache, meta.block_tables[b], meta.seq_lens[b])
+            ctx_latent, ctx_k_pe = rows.to(latent.dtype).split([rank, k_pe.shape[-1]], dim=-1)
+            q_positions = meta.query_positions[start:end] if meta.query_positions is not None else None
+            out[start:end] = decompressed_attention(q_nope[start:end], q_pe[start:end], ctx_latent, ctx_k_pe,
+                                                    params, q_positions)
         return out
 
     @staticmethod
-    def _decoding(cache, meta) -> list[int]:
-        """The sequences whose one new token continues a cached context (absorbed decode)."""
-        if cache is None or meta.query_positions is not None:
-            return []
-        starts = meta.query_start_loc
-        return [b for b in range(meta.num_seqs) if starts[b + 1] - starts[b] == 1 and meta.seq_lens[b] > 1]
+    def _partition(cache, meta) -> tuple[list[int], list[int], list[int]]:
+        """Sequences whose one new token continues a cached context (absorbed decode), wholly new sequences
+        (nothing to read from the cache) and the rest (cached context read back and decompressed)."""
+        decoding, fresh, continuing = [], [], []
+        for b in range(meta.num_seqs):
+            q_len = meta.query_start_loc[b + 1] - meta.query_start_loc[b]
+            if meta.query_positions is not None:
+                continuing.append(b)
+            elif cache is None or q_len == meta.seq_lens[b]:
+                fresh.append(b)
+            else:
+                (decoding if q_len == 1 else continuing).append(b)
+        return decoding, fresh, continuing
 
     @staticmethod
     def _decode(q_nope, q_pe, cache, meta, params, decoding, out) -> None:
@@ -166,11 +168,28 @@ class TorchMLAAttention(MLAAttentionBackend):
             out[:] = batched_absorbed_decode(q_nope, q_pe, cache, meta.block_tables,
                                              torch.tensor(meta.seq_lens, device=cache.device), params)
             return
-        index = torch.tensor(decoding, device=cache.device)
-        tokens = torch.tensor([meta.query_start_loc[b] for b in decoding], device=cache.device)
-        seq_lens = torch.tensor([meta.seq_lens[b] for b in decoding], device=cache.device)
+        index = torch.tensor(decoding, device=q_nope.device)
+        tokens = torch.tensor([meta.query_start_loc[b] for b in decoding], device=q_nope.device)
+        seq_lens = torch.tensor([meta.seq_lens[b] for b in decoding], device=q_nope.device)
         out[tokens] = batched_absorbed_decode(q_nope[tokens], q_pe[tokens], cache, meta.block_tables[index],
                                               seq_lens, params)
+
+    @staticmethod
+    def _prefill_fresh(q_nope, q_pe, latent, k_pe, meta, params, fresh, out) -> None:
+        """Causal attention of each wholly new sequence over itself; K/V of all of them from one decompression."""
+        starts = meta.query_start_loc
+        if len(fresh) == meta.num_seqs:
+            k, v = decompress(latent, k_pe, params)
+            q, spans = torch.cat([q_nope, q_pe], dim=-1), [(starts[b], starts[b + 1]) for b in fresh]
+        else:
+            rows = torch.cat([torch.arange(starts[b], starts[b + 1], device=q_nope.device) for b in fresh])
+            k, v = decompress(latent[rows], k_pe[rows], params)
+            q, spans, offset = torch.cat([q_nope[rows], q_pe[rows]], dim=-1), [], 0
+            for b in fresh:
+                spans.append((offset, offset + starts[b + 1] - starts[b]))
+                offset = spans[-1][1]
+        for b, (lo, hi) in zip(fresh, spans):
+            out[starts[b]:starts[b + 1]] = causal_attention(q[lo:hi], k[lo:hi], v[lo:hi], params.scale)
 
 
 _BACKENDS: dict[str, type[MLAAttentionBackend]] = {"torch": TorchMLAAttention}

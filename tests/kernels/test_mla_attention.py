@@ -107,3 +107,33 @@ def test_batched_absorbed_decode_equals_per_sequence_reference(heads, nope, rope
         expected = absorbed_attention(q_nope[b:b + 1], q_pe[b:b + 1], gather_latent(cache, block_tables[b], length),
                                       params)
         torch.testing.assert_close(batched[b:b + 1], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_batch_mixing_a_new_sequence_a_continued_chunk_and_decode_tokens_matches_dense():
+    """One step holding every path of the backend: wholly new (decompressed together), a chunk after cached
+    context (read back), two decode tokens (absorbed, batched); each equals its sequence's dense pass."""
+    generator = torch.Generator().manual_seed(5)
+    heads, nope, rope, v_dim, rank, page = 4, 16, 8, 12, 32, 4
+    params = _params(heads, nope, v_dim, rank, generator)
+    lens, cached = [7, 5, 9, 6], [6, 0, 4, 5]  # sequence 1 is new, 2 continues with 5 tokens, 0 and 3 decode
+    acts = [_activations(n, heads, nope, rope, rank, generator) for n in lens]
+    backend, cache = TorchMLAAttention(), torch.full((16, page, rank + rope), float("nan"))
+    block_tables = torch.tensor([[0, 1, 0], [2, 3, 0], [4, 5, 6], [7, 8, 0]])
+
+    def slots(b, s, e):
+        positions = torch.arange(s, e)
+        return block_tables[b, positions // page] * page + positions % page
+
+    for b, n in enumerate(cached):  # the cached context, written as a previous step would have
+        if n:
+            write_latent(cache, acts[b][2][:n], acts[b][3][:n], slots(b, 0, n))
+    batch = [torch.cat([a[i][c:] for a, c in zip(acts, cached)]) for i in range(4)]
+    starts = [0]
+    for n, c in zip(lens, cached):
+        starts.append(starts[-1] + n - c)
+    meta = AttentionMetadata(starts, lens, block_tables,
+                             torch.cat([slots(b, c, n) for b, (n, c) in enumerate(zip(lens, cached))]), page)
+    out = backend.forward(*batch, cache, meta, params)
+    for b, (n, c) in enumerate(zip(lens, cached)):
+        dense = backend.forward(*acts[b], None, AttentionMetadata.dense([n]), params)
+        torch.testing.assert_close(out[starts[b]:starts[b + 1]], dense[c:], atol=1e-5, rtol=1e-5)
