@@ -1,4 +1,4 @@
-"""Gated delta rule (Gated DeltaNet's linear attention) for one sequence: torch references.
+"""Gated delta rule (Gated DeltaNet's linear attention): torch references per sequence, one batched decode step.
 
 Legend: T = tokens, H = heads (value heads; q/k are already repeated to H), dk/dv = key/value head dims,
 C = chunk size, N = chunks. State ``S`` [H, dk, dv] per head, in fp32 (transformers' layout):
@@ -6,7 +6,9 @@ C = chunk size, N = chunks. State ``S`` [H, dk, dv] per head, in fp32 (transform
     S_t = α_t (I - β_t k_t k_tᵀ) S_{t-1} + β_t k_t v_tᵀ,   o_t = S_tᵀ q_t,   α_t = exp(g_t)
 
 q and k come in already L2-normalised and q already scaled; these kernels do the recurrence only.
-The chunked form must equal the recurrent one (tests/kernels); prefill uses it, decode the recurrent.
+The chunked form must equal the recurrent one (tests/kernels); prefill uses it. Decode advances every
+sequence of a batch by its one new token in one call (``gated_delta_step``), which must equal the recurrent
+form run per sequence.
 """
 
 from __future__ import annotations
@@ -78,3 +80,17 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         state = state * chunk_decay[:, i] + k_to_end[:, i].transpose(-1, -2) @ v_new
     out = out.reshape(heads, chunks * chunk_size, -1)[:, :tokens]
     return out.transpose(0, 1).to(dtype), state
+
+
+def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token for each of B sequences: q, k [B, H, dk]; v [B, H, dv]; g, beta [B, H]; state [B, H, dk, dv]
+    -> (o [B, H, dv], new state [B, H, dk, dv] fp32). ``state`` is not modified."""
+    k32, v32 = k.float(), v.float()
+    state = state.float() * g.float().exp()[..., None, None]
+    predicted = torch.matmul(k32[:, :, None, :], state)[:, :, 0]  # [B, H, dv]: what S already maps k to
+    update = (v32 - predicted) * beta.float()[..., None]
+    state = torch.baddbmm(state.flatten(0, 1), k32.flatten(0, 1)[:, :, None], update.flatten(0, 1)[:, None, :]
+                          ).view_as(state)
+    out = torch.matmul(q.float()[:, :, None, :], state)[:, :, 0]
+    return out.to(v.dtype), state

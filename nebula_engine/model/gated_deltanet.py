@@ -1,11 +1,13 @@
-"""Gated DeltaNet linear-attention layer (Qwen3.5), one sequence at a time, with carried state.
+"""Gated DeltaNet linear-attention layer (Qwen3.5) with carried state: a sequence's tokens, or a batch's decode tokens.
 
-Legend: T = tokens of one sequence, Hd = hidden size, Hk / Hv = key / value heads, dk / dv = their head dims,
+Legend: T = tokens of one sequence, B = sequences, Hd = hidden size, Hk / Hv = key / value heads, dk / dv = their head dims,
 C = conv channels (2·Hk·dk + Hv·dv: q, k, v), K = conv kernel width.
 
 Per sequence the layer's whole memory of the past is ``LinearAttentionState``: the last K-1 conv inputs
 and the recurrent state [Hv, dk, dv]. ``forward(x, state)`` continues from ``state`` (None = empty
 context) and returns the state after x, so prefill(a + b) == prefill(a) then prefill(b, state).
+``decode(x, conv, recurrent)`` advances B sequences by one token each, their states stacked: one call per
+layer and decode step whatever B.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nebula_engine.kernels.gated_delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from nebula_engine.kernels.gated_delta_rule import (chunk_gated_delta_rule, gated_delta_step,
+                                                   recurrent_gated_delta_rule)
 from nebula_engine.kernels.pic_ops import gated_delta_transition
 from nebula_engine.kvcache.spec import LinearStateSpec
 
@@ -107,8 +110,14 @@ class GatedDeltaNet(nn.Module):
 
     def _project(self, x: torch.Tensor, conv_state: torch.Tensor):
         """x [T, Hd] after conv inputs conv_state -> q, k [T, Hv, dk], v [T, Hv, dv], g, beta [T, Hv], new conv state."""
-        cfg, tokens = self.cfg, x.shape[0]
         qkv, conv_state = self._conv(self.in_proj_qkv(x), conv_state)
+        return *self._heads(x, qkv), conv_state
+
+    def _heads(self, x: torch.Tensor, qkv: torch.Tensor):
+        """Rows x [N, Hd] and their conv outputs qkv [N, C] -> q, k [N, Hv, dk], v [N, Hv, dv], g, beta [N, Hv].
+
+        Row-wise: N is a sequence's tokens or a decode batch's sequences alike."""
+        cfg, tokens = self.cfg, x.shape[0]
         key_dim = cfg.num_k_heads * cfg.head_k_dim
         q, k, v = qkv.split([key_dim, key_dim, cfg.num_v_heads * cfg.head_v_dim], dim=-1)
         group = cfg.num_v_heads // cfg.num_k_heads  # each k-head serves `group` consecutive v-heads
@@ -118,7 +127,7 @@ class GatedDeltaNet(nn.Module):
         v = v.view(tokens, cfg.num_v_heads, cfg.head_v_dim)  # [T, Hv, dv]
         beta = torch.sigmoid(self.in_proj_b(x)).float()  # [T, Hv]
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())  # log-decay
-        return q, k, v, g, beta, conv_state
+        return q, k, v, g, beta
 
     def forward(self, x: torch.Tensor, state: LinearAttentionState | None = None
                 ) -> tuple[torch.Tensor, LinearAttentionState]:
@@ -132,6 +141,18 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(x).view(tokens, cfg.num_v_heads, cfg.head_v_dim)
         out = self.norm(out.to(x.dtype), z).flatten(1)  # [T, Hv*dv]
         return self.out_proj(out), LinearAttentionState(conv_state, recurrent)
+
+    def decode(self, x: torch.Tensor, conv: torch.Tensor, recurrent: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Row b of x [B, Hd] is sequence b's next token, its states conv [B, C, K-1], recurrent [B, Hv, dk, dv]
+        -> (out [B, Hd], new conv, new recurrent); equals ``forward`` per sequence."""
+        cfg = self.cfg
+        window = torch.cat([conv, self.in_proj_qkv(x).to(conv.dtype)[:, :, None]], dim=2)  # [B, C, K]
+        qkv = F.silu((window * self.conv1d.weight[:, 0]).sum(-1))  # the causal conv's last output: [B, C]
+        q, k, v, g, beta = self._heads(x, qkv.to(x.dtype))
+        out, recurrent = gated_delta_step(q, k, v, g, beta, recurrent)  # out [B, Hv, dv]
+        z = self.in_proj_z(x).view(x.shape[0], cfg.num_v_heads, cfg.head_v_dim)
+        return self.out_proj(self.norm(out.to(x.dtype), z).flatten(1)), window[:, :, 1:], recurrent
 
     def transition(self, x: torch.Tensor, conv_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The affine map x [T, Hd] applies to the recurrent state: ``S -> M S + N`` (HYPIC, spec B4).

@@ -38,7 +38,7 @@ def layer_types(raw: dict, num_layers: int) -> list[str]:
 
 
 class HybridDecoderLayer(nn.Module):
-    """Pre-norm block whose mixer is ``linear_attn`` (run per sequence, with state) or ``self_attn``."""
+    """Pre-norm block whose mixer is ``linear_attn`` (with per-sequence state) or ``self_attn``."""
 
     def __init__(self, mixer: nn.Module, mlp: nn.Module, hidden_size: int, eps: float):
         super().__init__()
@@ -64,12 +64,34 @@ class HybridDecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden)), new_states
 
     def _linear(self, x, starts, states):
-        outs, new_states = [], []
-        for b in range(len(starts) - 1):
-            out, state = self.linear_attn(x[starts[b]:starts[b + 1]], states[b] if states else None)
-            outs.append(out)
-            new_states.append(state)
-        return torch.cat(outs), new_states
+        """Sequences with one new token (decode) in one batched call; prefill chunks one sequence at a time."""
+        num_seqs = len(starts) - 1
+        decoding = [b for b in range(num_seqs) if starts[b + 1] - starts[b] == 1]
+        if len(decoding) == num_seqs:  # a pure decode batch: row b is sequence b
+            return self._decode(x, states, decoding)
+        out, new_states = torch.empty_like(x), [None] * num_seqs
+        if decoding:
+            rows = torch.tensor([starts[b] for b in decoding], device=x.device)
+            out[rows], decoded = self._decode(x[rows], states, decoding)
+            for b, state in zip(decoding, decoded):
+                new_states[b] = state
+        for b in set(range(num_seqs)) - set(decoding):
+            out[starts[b]:starts[b + 1]], new_states[b] = self.linear_attn(x[starts[b]:starts[b + 1]],
+                                                                           states[b] if states else None)
+        return out, new_states
+
+    def _decode(self, x, states, decoding):
+        """x [len(decoding), Hd]: the one new token of each sequence in ``decoding``, continuing its state."""
+        empty = None
+        conv, recurrent = [], []
+        for b in decoding:
+            state = states[b] if states else None
+            if state is None:  # a one-token prompt
+                state = empty = empty or self.linear_attn.empty_state(x.dtype)
+            conv.append(state.conv)
+            recurrent.append(state.recurrent)
+        out, conv, recurrent = self.linear_attn.decode(x, torch.stack(conv), torch.stack(recurrent))
+        return out, [LinearAttentionState(c, r) for c, r in zip(conv.unbind(), recurrent.unbind())]
 
 
 class Qwen3_5ForCausalLM(CausalLM):

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule as hf_recurrent
 
-from nebula_engine.kernels.gated_delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from nebula_engine.kernels.gated_delta_rule import (chunk_gated_delta_rule, gated_delta_step,
+                                                   recurrent_gated_delta_rule)
 
 
 def _inputs(tokens: int, heads: int, dk: int, dv: int, seed: int = 0):
@@ -72,3 +73,17 @@ def test_initial_state_is_not_modified():
     for kernel in (recurrent_gated_delta_rule, chunk_gated_delta_rule):
         kernel(q, k, v, g, beta, state)
     assert torch.equal(state, before)
+
+
+@pytest.mark.parametrize("batch,heads,dk,dv", [(1, 1, 4, 4), (5, 3, 8, 16), (4, 8, 32, 32)])
+def test_batched_step_equals_recurrent_per_sequence(batch, heads, dk, dv):
+    rows = [_inputs(1, heads, dk, dv, seed=b) for b in range(batch)]
+    q, k, v, g, beta = (torch.cat([r[i] for r in rows]) for i in range(5))  # token b is sequence b's
+    states = torch.stack([r[5] for r in rows])
+    before = states.clone()
+    out, new_states = gated_delta_step(q, k, v, g, beta, states)
+    assert torch.equal(states, before)
+    for b, (qb, kb, vb, gb, betab, state) in enumerate(rows):
+        expected_out, expected_state = recurrent_gated_delta_rule(qb, kb, vb, gb, betab, state)
+        torch.testing.assert_close(out[b:b + 1], expected_out, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(new_states[b], expected_state, atol=1e-5, rtol=1e-5)

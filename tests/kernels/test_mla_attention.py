@@ -6,7 +6,8 @@ import torch
 from nebula_engine.kernels import mla_attention
 from nebula_engine.kernels.attention import AttentionContext, AttentionMetadata, TorchPagedAttention
 from nebula_engine.kernels.mla_attention import (MLAParams, TorchMLAAttention, absorbed_attention,
-                                                 decompressed_attention, gather_latent, write_latent)
+                                                 batched_absorbed_decode, decompressed_attention, gather_latent,
+                                                 write_latent)
 
 
 def _params(heads, nope, v_dim, rank, generator):
@@ -59,8 +60,8 @@ def test_latent_rows_round_trip_through_pages():
 def test_backend_over_paged_cache_matches_dense_for_prefill_chunks_and_decode(monkeypatch):
     """Two sequences: prefill in two chunks, then two decode steps (absorbed), vs one dense pass each."""
     absorbed_calls = []
-    monkeypatch.setattr(mla_attention, "absorbed_attention",
-                        lambda *args: absorbed_calls.append(1) or absorbed_attention(*args))
+    monkeypatch.setattr(mla_attention, "batched_absorbed_decode",
+                        lambda *args: absorbed_calls.append(args[0].shape[0]) or batched_absorbed_decode(*args))
     generator = torch.Generator().manual_seed(1)
     heads, nope, rope, v_dim, rank, page = 4, 16, 8, 12, 32, 4
     params = _params(heads, nope, v_dim, rank, generator)
@@ -84,4 +85,55 @@ def test_backend_over_paged_cache_matches_dense_for_prefill_chunks_and_decode(mo
             outputs[b].append(out[starts[b]:starts[b + 1]])
     for b in range(2):
         torch.testing.assert_close(torch.cat(outputs[b]), dense[b], atol=1e-5, rtol=1e-5)
-    assert len(absorbed_calls) == 5  # each 1-token continuation: sequence 1 in step 2, both in steps 3 and 4
+    # one batched call per step with a 1-token continuation: sequence 1 in step 2, both in steps 3 and 4
+    assert absorbed_calls == [1, 2, 2]
+
+
+@pytest.mark.parametrize("heads,nope,rope,v_dim,rank", [(1, 4, 2, 4, 8), (4, 16, 8, 12, 32)])
+def test_batched_absorbed_decode_equals_per_sequence_reference(heads, nope, rope, v_dim, rank):
+    """Ragged contexts over scattered, shared-padding pages (NaN where nothing was written) in one call."""
+    generator = torch.Generator().manual_seed(heads + rank)
+    params = _params(heads, nope, v_dim, rank, generator)
+    page, lens = 4, [1, 9, 4, 13]
+    cache = torch.full((12, page, rank + rope), float("nan"))
+    block_tables = torch.tensor([[3, 0, 0, 0], [7, 1, 10, 0], [2, 0, 0, 0], [4, 5, 6, 11]])
+    for b, length in enumerate(lens):
+        positions = torch.arange(length)
+        _, _, latent, k_pe = _activations(length, heads, nope, rope, rank, generator)
+        write_latent(cache, latent, k_pe, block_tables[b, positions // page] * page + positions % page)
+    q_nope, q_pe, _, _ = _activations(len(lens), heads, nope, rope, rank, generator)
+    batched = batched_absorbed_decode(q_nope, q_pe, cache, block_tables, torch.tensor(lens), params)
+    for b, length in enumerate(lens):
+        expected = absorbed_attention(q_nope[b:b + 1], q_pe[b:b + 1], gather_latent(cache, block_tables[b], length),
+                                      params)
+        torch.testing.assert_close(batched[b:b + 1], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_batch_mixing_a_new_sequence_a_continued_chunk_and_decode_tokens_matches_dense():
+    """One step holding every path of the backend: wholly new (decompressed together), a chunk after cached
+    context (read back), two decode tokens (absorbed, batched); each equals its sequence's dense pass."""
+    generator = torch.Generator().manual_seed(5)
+    heads, nope, rope, v_dim, rank, page = 4, 16, 8, 12, 32, 4
+    params = _params(heads, nope, v_dim, rank, generator)
+    lens, cached = [7, 5, 9, 6], [6, 0, 4, 5]  # sequence 1 is new, 2 continues with 5 tokens, 0 and 3 decode
+    acts = [_activations(n, heads, nope, rope, rank, generator) for n in lens]
+    backend, cache = TorchMLAAttention(), torch.full((16, page, rank + rope), float("nan"))
+    block_tables = torch.tensor([[0, 1, 0], [2, 3, 0], [4, 5, 6], [7, 8, 0]])
+
+    def slots(b, s, e):
+        positions = torch.arange(s, e)
+        return block_tables[b, positions // page] * page + positions % page
+
+    for b, n in enumerate(cached):  # the cached context, written as a previous step would have
+        if n:
+            write_latent(cache, acts[b][2][:n], acts[b][3][:n], slots(b, 0, n))
+    batch = [torch.cat([a[i][c:] for a, c in zip(acts, cached)]) for i in range(4)]
+    starts = [0]
+    for n, c in zip(lens, cached):
+        starts.append(starts[-1] + n - c)
+    meta = AttentionMetadata(starts, lens, block_tables,
+                             torch.cat([slots(b, c, n) for b, (n, c) in enumerate(zip(lens, cached))]), page)
+    out = backend.forward(*batch, cache, meta, params)
+    for b, (n, c) in enumerate(zip(lens, cached)):
+        dense = backend.forward(*acts[b], None, AttentionMetadata.dense([n]), params)
+        torch.testing.assert_close(out[starts[b]:starts[b + 1]], dense[c:], atol=1e-5, rtol=1e-5)

@@ -54,6 +54,47 @@ def test_linear_layer_continues_from_returned_state(split, checkpoint_factory):
     assert whole_state.conv.shape == (layer.cfg.conv_channels, 3)
 
 
+@torch.no_grad()
+def test_batched_decode_step_equals_each_sequence_alone(checkpoint_factory):
+    """GatedDeltaNet.decode over B stacked states == forward(1 token, state) per sequence (contexts 1, 2, 9)."""
+    model, config, _ = load_model(str(checkpoint_factory(DENSE)))
+    layer: GatedDeltaNet = model.model.layers[0].linear_attn
+    contexts = [torch.randn(n, config.hidden_size, generator=torch.Generator().manual_seed(n)) for n in (1, 2, 9)]
+    states = [layer(x)[1] for x in contexts]
+    tokens = torch.randn(len(contexts), config.hidden_size)
+    out, conv, recurrent = layer.decode(tokens, torch.stack([s.conv for s in states]),
+                                        torch.stack([s.recurrent for s in states]))
+    for b, state in enumerate(states):
+        expected, expected_state = layer(tokens[b:b + 1], state)
+        torch.testing.assert_close(out[b:b + 1], expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(conv[b], expected_state.conv, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(recurrent[b], expected_state.recurrent, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", QWEN3_5_CASES, ids=str)
+@torch.no_grad()
+def test_mixed_batch_of_decode_tokens_and_a_prefill_chunk_equals_each_sequence_alone(case, checkpoint_factory):
+    """Two 1-token continuations (batched decode) around a prefill continuation, vs each sequence alone."""
+    model, config, _ = load_model(str(checkpoint_factory(case)))
+    lens, split, page_size = [6, 11, 5], [5, 7, 4], 4
+    prompts = _random_prompts(config.vocab_size, lens, seed=2)
+    block_tables = torch.tensor([[0, 1, 0], [2, 3, 4], [5, 6, 0]])
+
+    def run(seqs):
+        kv_caches = [(torch.zeros(8, page_size, h, d), torch.zeros(8, page_size, h, dv))
+                     for h, d, dv in model.kv_cache_shape_per_layer()]
+        chosen = ([prompts[b] for b in seqs], block_tables[seqs])
+        _, states = _chunk_forward(model, *chosen[:1], [(0, split[b]) for b in seqs], chosen[1], kv_caches,
+                                   page_size, None)
+        logits, _ = _chunk_forward(model, *chosen[:1], [(split[b], lens[b]) for b in seqs], chosen[1], kv_caches,
+                                   page_size, states)
+        return logits
+
+    together = run([0, 1, 2])
+    for b in range(3):
+        torch.testing.assert_close(together[b], run([b])[0], atol=1e-4, rtol=1e-4)
+
+
 def _chunk_forward(model, prompts, bounds, block_tables, kv_caches, page_size, states):
     """One step over sequences b's tokens bounds[b] = (start, end), through the paged KV cache."""
     ids = torch.cat([p[s:e] for p, (s, e) in zip(prompts, bounds)])
