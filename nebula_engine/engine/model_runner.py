@@ -73,7 +73,9 @@ class ModelRunner:
         parts = self._forward_isolated(output.scheduled, failed, prompt_hidden) if output.scheduled else []
         for entry in output.combines:
             try:
-                parts.append(([entry], self.pic_executor.run(entry)))
+                hidden = self.pic_executor.run(entry)
+                if entry.samples:  # not a resumed sequence, whose output tokens are prefilled next
+                    parts.append(([entry], hidden))
             except Exception as exc:  # one request's combine prefill
                 self._record_failure(entry, exc, failed)
         prompt_logprobs = self._prompt_logprobs(output.scheduled, prompt_hidden, failed)

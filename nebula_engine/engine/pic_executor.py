@@ -87,10 +87,12 @@ class PICExecutor:
         result = backend.combine(run)
         if result.linear_states is not None:
             self._store_linear_states(entry.state_slot, result.linear_states)
-        seq.num_pic_cached_tokens = layout.num_reused
-        seq.num_pic_hit_tokens = CombineLayout.plan(num_tokens, prefix_len, [(s.start, s.length) for s in pic_segments],
-                                                    [i in hits for i in range(len(pic_segments))]).num_reused
-        seq.num_recomputed_tokens = result.num_recomputed
+        if seq.num_preemptions == 0:  # a resumed request reports its first combine's counts, as for its prefix
+            seq.num_pic_cached_tokens = layout.num_reused
+            seq.num_pic_hit_tokens = CombineLayout.plan(num_tokens, prefix_len,
+                                                        [(s.start, s.length) for s in pic_segments],
+                                                        [i in hits for i in range(len(pic_segments))]).num_reused
+            seq.num_recomputed_tokens = result.num_recomputed
         if result.num_recomputed < layout.num_reused:  # cached K/V kept somewhere: approximate from there on
             seq.num_exact_kv_tokens = min(seq.num_exact_kv_tokens, layout.reused[0].start)
         self.stats.combines += 1

@@ -2,14 +2,17 @@
 
 Each step spends a budget of ``max_num_batched_tokens`` new tokens: running sequences first (a
 decode costs one token, an unfinished prefill continues with the next chunk), then waiting
-sequences in arrival order. When the pool runs out of pages, the newest running sequence is
-preempted: its pages are freed and it re-enters the front of the queue to be recomputed.
+sequences in arrival order. A PIC prompt's combine is not chunked; one that does not fit the leftover
+budget is passed by later sequences, a bounded number of times (``_schedule_waiting``). When the pool
+runs out of pages, the newest running sequence is preempted: its pages are freed and it re-enters the
+front of the queue to be recomputed (a PIC prompt by a combine again, its segments looked up anew).
 With prefix caching, a sequence is admitted after its longest cached prefix (never its last token)
 and its pages are cached as they fill; unlocked cached pages are evicted before anyone is preempted.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass
 from typing import Collection
@@ -39,7 +42,9 @@ class SchedulerOutput:
     scheduled: tuple[ScheduledSequence, ...]
     preempted_seq_ids: tuple[str, ...]
     finished_seq_ids: tuple[str, ...]  # finished since the previous step: drop per-request state
-    combines: tuple[ScheduledSequence, ...] = ()  # whole PIC prompts, each prefilled by its own combine
+    # the rest of a PIC prompt, each prefilled by its own combine; it samples unless the sequence was preempted
+    # after sampling (then its output tokens are prefilled in the next steps)
+    combines: tuple[ScheduledSequence, ...] = ()
 
     @property
     def is_empty(self) -> bool:
@@ -109,24 +114,36 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _schedule_waiting(self, budget: int, scheduled: list, combines: list) -> None:
-        """Admit waiting sequences in order. A PIC prompt is not chunked: its combine prefill needs the whole
-        prompt at once, so it waits for a step with budget for it (or runs alone when it exceeds the budget)."""
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        """Admit waiting sequences in order. A PIC prompt is not chunked: its combine prefill needs the rest of the
+        prompt at once. When that does not fit the step's leftover budget it keeps its place and later sequences
+        are admitted past it, but at most ``max_num_seqs`` of them: then nobody passes it, the running set drains
+        and it gets a step's budget (or runs alone when it exceeds the budget)."""
+        index = 0
+        while index < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[index]
             if self._waits_for_cache_io(seq, scheduled):
                 break
             self._match_prefix(seq)
-            remaining = seq.num_tokens - seq.num_computed_tokens
             combine = seq.needs_combine
+            # a combine prefills the prompt only; a resumed request's output tokens follow by plain prefill
+            remaining = (seq.num_prompt_tokens if combine else seq.num_tokens) - seq.num_computed_tokens
             if combine and remaining > budget and (scheduled or combines):
                 self._undo_match(seq)
-                break
+                if seq.num_times_passed >= self.config.max_num_seqs:
+                    break
+                index += 1
+                continue
             num_new = remaining if combine else min(remaining, budget)
-            if not self.kv_cache.can_allocate(seq.seq_id, seq.num_computed_tokens + num_new):
+            # a resumed combine takes its output tokens' pages too: they are prefilled in the next step, and
+            # taking fewer would let it be admitted only to be preempted again
+            num_slots = seq.num_tokens if combine else seq.num_computed_tokens + num_new
+            if not self.kv_cache.can_allocate(seq.seq_id, num_slots):
                 self._undo_match(seq)  # a waiting sequence holds no pages, so it cannot pin the cache
                 break
-            self.kv_cache.allocate_slots(seq.seq_id, seq.num_computed_tokens + num_new)
-            self.waiting.popleft()
+            self.kv_cache.allocate_slots(seq.seq_id, num_slots)
+            del self.waiting[index]
+            for passed in itertools.islice(self.waiting, index):
+                passed.num_times_passed += 1
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             (combines if combine else scheduled).append(self._entry(seq, num_new))

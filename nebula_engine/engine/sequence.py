@@ -40,6 +40,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        # later requests admitted while it waited (a PIC prompt may be passed; the scheduler bounds how often)
+        self.num_times_passed = 0
         self.hold_kv = False  # keep the pages after finishing, until the engine releases them
 
     def __repr__(self) -> str:
@@ -48,10 +50,12 @@ class Sequence:
 
     @property
     def needs_combine(self) -> bool:
-        """Its prompt is prefilled by a PIC combine (not after a preemption: then everything is recomputed; nor
-        when it asks for prompt logprobs, which are those of the exact full prefill)."""
-        return (self.pic_backend is not None and self.segmented is not None and self.num_preemptions == 0
-                and bool(self.segmented.pic_segments) and self.sampling_params.prompt_logprobs is None)
+        """The rest of its prompt is prefilled by a PIC combine: it has PIC segments and part of its prompt is
+        not in the cache yet (also after a preemption, so a resumed request keeps its PIC K/V). Not when it asks
+        for prompt logprobs, which are those of the exact full prefill."""
+        return (self.pic_backend is not None and self.segmented is not None
+                and bool(self.segmented.pic_segments) and self.sampling_params.prompt_logprobs is None
+                and self.num_computed_tokens < self.num_prompt_tokens)
 
     @property
     def approximate_kv_spec(self) -> str | None:
@@ -91,8 +95,9 @@ class Sequence:
         self.output_logprobs.append(logprob)
 
     def reset_for_recompute(self) -> None:
-        """Preempted: its pages are gone, so every token (prompt and output) is prefilled again."""
+        """Preempted: its pages are gone, so every token (prompt and output) is prefilled again: after what the
+        prefix cache still holds, a PIC prompt by a combine, the output tokens by plain prefill."""
         self.num_computed_tokens = 0
-        self.num_exact_kv_tokens = sys.maxsize  # recomputed by plain prefill (after what it matches)
+        self.num_exact_kv_tokens = sys.maxsize  # set again by what it matches and by its combine
         self.status = SequenceStatus.WAITING
         self.num_preemptions += 1
