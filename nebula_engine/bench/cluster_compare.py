@@ -53,7 +53,7 @@ class CompareOptions:
     trace: str = "ragpulse"
     num_requests: int = 48  # 25 sessions; with 1,024-token prompts a working set of 17,373 distinct tokens
     # 48 s of arrivals per policy: with ~30 s of cluster start each, the three policies fit make run's 6 minutes
-    # (0.5 req/s would take ~7); below saturation for the random Qwen3 (TTFT p50 0.26-0.33 s measured at 1 req/s)
+    # (0.5 req/s took 6.4 min); below saturation for the random Qwen3 (TTFT p50 0.17-0.22 s measured at 1 req/s, README)
     qps: float = 1.0
     prefill_workers: int = 4  # the router spreads load over 4 peers: a session's documents can sit on any
     decode_workers: int = 0  # prefill peers decode too: one process less to load (8 output tokens only)
