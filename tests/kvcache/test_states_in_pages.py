@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from nebula_engine.kvcache.cache_store import CacheStore
+from nebula_engine.kvcache.disk_tier import DiskTier
 from nebula_engine.kvcache.events import CacheIndex, Tier
 from nebula_engine.kvcache.page_blob import (LinearStateIO, PageBlobIO, TensorLayout, TensorRef, pack_tensors,
                                              unpack_tensors)
@@ -197,6 +198,9 @@ def test_a_pic_state_on_the_disk_tier_is_charged_by_its_pages(tmp_path):
     store.evict_all()
     store.flush()
     assert store.tiers.disk.used_tokens == 6 + 4 * PAGE_SIZE
+    restarted = DiskTier(tmp_path, 100)
+    assert restarted.used_tokens == 6 + 4 * PAGE_SIZE  # the charge survives a restart
+    restarted.close()
     assert store.snapshot().entries[next(iter(store.snapshot().entries))].tier is Tier.DISK
     back = store.lookup_segment("seg", 6)
     assert_same_state(back.state, hypic_like_state(2))
