@@ -21,6 +21,7 @@ from nebula_engine.engine.structured_outputs import GrammarCompiler
 from nebula_engine.engine.tokenizer import Tokenizer
 from nebula_engine.kernels.attention import get_attention_backend, resolve_attention_backend
 from nebula_engine.kvcache.cache_store import CacheStoreConfig
+from nebula_engine.kvcache.page_blob import LinearStateIO, PageBlobIO
 from nebula_engine.kvcache.page_io import StoragePageIO
 from nebula_engine.kvcache.pool import KVCacheManager, KVCacheStorage, num_pages_for_budget
 from nebula_engine.kvcache.prefix_caching import PrefixCachingKVCacheManager
@@ -63,6 +64,9 @@ class LLMEngine:
         self.cache_store = kv_cache.cache if isinstance(kv_cache, PrefixCachingKVCacheManager) else None
         if self.cache_store is not None:
             self.cache_store.page_io = StoragePageIO(self.model_runner.kv_storage)
+            self.cache_store.blob_io = PageBlobIO(self.model_runner.kv_storage)
+            if num_state_slots:  # hybrid: cached prefixes carry the linear-attention state in pool pages
+                kv_cache.state_io = LinearStateIO(self.cache_store.blob_io, self.model_runner.kv_storage.linear_states)
             prefix = self.tokenizer.prompt_prefix_ids if self.tokenizer is not None else []
             self.model_runner.pic_executor = PICExecutor(
                 model, self.model_runner.kv_storage, self.cache_store, self.model_runner.attention_backend,
@@ -78,12 +82,10 @@ class LLMEngine:
         return f"{source.resolve() if source.exists() else self.config.model}:{self.config.dtype}"
 
     def _kv_cache_manager(self, num_pages: int, num_state_slots: int) -> KVCacheManager:
-        """Prefix caching and the PIC store share one ``CacheStore``; models with linear-attention layers get
-        only the PIC store (their state summarises the whole prefix and cannot be split into pages)."""
+        """Prefix caching and the PIC store share one ``CacheStore``; with linear-attention layers a cached
+        prefix also keeps the state after it, in pool pages (``prefix_caching``)."""
         cache = self.config.cache
-        prefix_matching = cache.enable_prefix_caching and not num_state_slots
-        if cache.enable_prefix_caching and num_state_slots:
-            logger.warning("prefix caching disabled: %r has linear-attention layers", self.model_config.model_type)
+        prefix_matching = cache.enable_prefix_caching
         if not prefix_matching and self.pic_backend is None:
             return KVCacheManager(num_pages, cache.page_size, num_state_slots)
         store = CacheStoreConfig(cache.worker_id, self._model_id(), cache.eviction_policy, cache.pc_share)

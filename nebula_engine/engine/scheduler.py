@@ -87,7 +87,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = self._chunk(seq, budget)
             if not self._allocate_or_preempt(seq, num_new, preempted):
                 break
             scheduled.append(self._entry(seq, num_new))
@@ -133,7 +133,7 @@ class Scheduler:
                     break
                 index += 1
                 continue
-            num_new = remaining if combine else min(remaining, budget)
+            num_new = remaining if combine else self._chunk(seq, budget)
             # a resumed combine takes its output tokens' pages too: they are prefilled in the next step, and
             # taking fewer would let it be admitted only to be preempted again
             num_slots = seq.num_tokens if combine else seq.num_computed_tokens + num_new
@@ -149,6 +149,15 @@ class Scheduler:
             (combines if combine else scheduled).append(self._entry(seq, num_new))
             budget -= num_new
 
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """New tokens of ``seq`` this step: what is left, within the budget, ending at its state checkpoint if it
+        has one ahead (hybrid models cache their linear-attention state there, ``prefix_caching``)."""
+        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        checkpoint = self.kv_cache.state_checkpoint(seq.seq_id)
+        if checkpoint > seq.num_computed_tokens:
+            num_new = min(num_new, checkpoint - seq.num_computed_tokens)
+        return num_new
+
     def _waits_for_cache_io(self, seq: Sequence, scheduled: list) -> bool:
         """``seq``'s cached prefix is still loading from disk while other sequences can run: admitting
         it now would block the step on that read."""
@@ -161,7 +170,10 @@ class Scheduler:
         if self.prefix_cache is None:
             return
         # prompt logprobs need every prompt token's hidden state: match nothing (vLLM skips the cache alike)
-        wanted = seq.token_ids[:1] if seq.sampling_params.prompt_logprobs is not None else seq.token_ids
+        # a hybrid model's combine (HYPIC) starts from position 0: match nothing for it either
+        match_nothing = (seq.sampling_params.prompt_logprobs is not None
+                         or (seq.needs_combine and self.kv_cache.state_slots is not None))
+        wanted = seq.token_ids[:1] if match_nothing else seq.token_ids
         seq.num_computed_tokens = self.prefix_cache.match_prefix(seq.seq_id, wanted, seq.approximate_kv_spec or "")
         if seq.num_preemptions == 0:
             seq.num_prefix_cached_tokens = seq.num_computed_tokens

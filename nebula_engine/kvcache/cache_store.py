@@ -10,21 +10,30 @@ come back locked: an unlocked handle's pages may be evicted by the next allocati
 
 With lower tiers (``TierConfig``) an evicted entry is demoted instead of dropped, its page contents
 read through ``page_io``; a prefix or segment found on a lower tier is promoted into fresh pages.
+
+States live in pool pages too (``page_blob``, through ``blob_io`` once attached): a prefix node's linear-attention
+state (hybrid models) and the tensors of a PIC segment's backend state (HYPIC's transition maps). They count in the
+stores' sizes, leave the device with their entry, and are charged to the tiers by their pages.
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
+
+import logging
 
 from nebula_engine.kvcache.events import CacheIndex, CacheKind, EventLog, IndexEntry, Tier
 from nebula_engine.kvcache.eviction import CacheState, make_eviction_policy
+from nebula_engine.kvcache.page_blob import PageBlobIO, TensorLayout, pack_tensors, unpack_tensors
 from nebula_engine.kvcache.pic_store import PICEntry, PICStore
 from nebula_engine.kvcache.page_io import PageIO
 from nebula_engine.kvcache.pool import OutOfPagesError, PagePool
 from nebula_engine.kvcache.radix_cache import EXACT, RadixCache, TreeNode, block_hash
 from nebula_engine.kvcache.tiers import TierChain, TierConfig
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -47,6 +56,8 @@ class CacheStore:
         self.pic = PICStore(pool, page_size, self.events, clock)
         self.policy = make_eviction_policy(config.eviction_policy, config.pc_share)
         self.page_io = page_io  # may be attached later, before the first eviction
+        self.blob_io: PageBlobIO | None = None  # attached by an engine: PIC states then live in pool pages
+        self.num_states_outside_pages = 0  # PIC states kept as tensors: the pool had no room for their pages
         self.tiers = TierChain(tiers, self.events) if tiers is not None else None
         if self.tiers is not None:
             self.radix.demote, self.pic.demote = self._demote_node, self._demote_segment
@@ -54,12 +65,15 @@ class CacheStore:
 
     def _demote_node(self, node: TreeNode) -> bool:
         payload = {"pages": self.page_io.read_pages([node.page])}
-        return self.tiers.demote(CacheKind.PC, node.block_hash, self.page_size, payload)
+        if node.state_pages:
+            payload["state_pages"] = self.page_io.read_pages(list(node.state_pages))
+        return self.tiers.demote(CacheKind.PC, node.block_hash, self.page_size, payload,
+                                 node.num_pages * self.page_size)
 
     def _demote_segment(self, entry: PICEntry) -> bool:
         payload = {"pages": self.page_io.read_pages(list(entry.pages)), "state": dict(entry.state),
                    "num_tokens": entry.num_tokens}
-        return self.tiers.demote(CacheKind.PIC, entry.key, entry.num_tokens, payload)
+        return self.tiers.demote(CacheKind.PIC, entry.key, entry.num_tokens, payload, entry.size)
 
     def promote_prefix(self, node: TreeNode, token_ids: list[int]) -> tuple[TreeNode, list[int]]:
         """Continue locked ``node``'s prefix with pages of ``token_ids`` held on lower tiers.
@@ -76,14 +90,45 @@ class CacheStore:
             promoted = self._promote_into_pages(CacheKind.PC, key, 1)
             if promoted is None:
                 break
-            new_pages, _ = promoted
+            new_pages, payload = promoted
             child = self.radix.insert(node, tokens, new_pages, promoted=True, provenance=provenance)
             self.pool.release(new_pages)  # the tree holds its own reference now
+            if "state_pages" in payload:
+                self._promote_node_state(child, payload["state_pages"])
             self.radix.inc_lock_ref(child)
             self.radix.dec_lock_ref(node)
             node = child
             pages += new_pages
         return node, pages
+
+    def _promote_node_state(self, node: TreeNode, data: list) -> None:
+        """Write a promoted node's linear-attention state back into fresh pages; without room the node comes
+        back without it (its K/V stays usable below a deeper state)."""
+        try:
+            pages = self.pool.allocate(data[0].shape[0])
+        except OutOfPagesError:
+            return
+        self.page_io.write_pages(pages, data)
+        self.radix.attach_state(node, pages)
+        self.pool.release(pages)
+
+    def save_node_state(self, node: TreeNode, write: Callable[[list[int]], None], num_pages: int) -> bool:
+        """Give ``node`` a linear-attention state: ``num_pages`` fresh pages filled by ``write``. False (nothing
+        changed) when the node has one already or the pool has no room even after eviction."""
+        if node.is_root or node.state_pages:
+            return False
+        self.radix.inc_lock_ref(node)  # the allocation below may evict: never this node
+        try:
+            pages = self.pool.allocate(num_pages)
+        except OutOfPagesError:
+            return False
+        finally:
+            self.radix.dec_lock_ref(node)
+        write(pages)
+        self.radix.attach_state(node, pages)
+        self.pool.release(pages)
+        self._enforce_quota(CacheKind.PC)
+        return True
 
     def loading(self, node: TreeNode, token_ids: list[int]) -> bool:
         """Whether pages continuing ``node``'s prefix with ``token_ids`` are still being read from disk.
@@ -125,11 +170,35 @@ class CacheStore:
             promoted = self._promote_into_pages(CacheKind.PIC, key, -(-num_tokens // self.page_size))
             if promoted is not None:
                 pages, payload = promoted
-                entry = self.pic.insert(key, num_tokens, pages, payload["state"], promoted=True)
+                entry = self._insert_segment(key, num_tokens, pages, payload["state"], promoted=True)
                 self.pool.release(pages)
         if entry is not None:
             self.pic.lock(entry)
         return entry
+
+    def _insert_segment(self, key: str, num_tokens: int, pages: list[int], state: Mapping[str, Any] | None,
+                        promoted: bool = False) -> PICEntry:
+        """``pic.insert``, the tensors of ``state`` moved into pool pages of their own when a ``blob_io`` is
+        attached. Without room for those pages the state stays as tensors (counted in
+        ``num_states_outside_pages``)."""
+        skeleton, tensors = pack_tensors(dict(state or {}))
+        if self.blob_io is None or not tensors or key in self.pic:
+            return self.pic.insert(key, num_tokens, pages, state, promoted)
+        layouts = tuple(TensorLayout.of(t) for t in tensors)
+        try:
+            state_pages = self.pool.allocate(self.blob_io.pages_for(sum(layout.nbytes for layout in layouts)))
+        except OutOfPagesError:
+            self.num_states_outside_pages += 1
+            logger.warning("PIC segment %s: no pool room for its state's pages; kept outside the pool budget", key)
+            return self.pic.insert(key, num_tokens, pages, state, promoted)
+        self.blob_io.write(state_pages, tensors)
+        entry = self.pic.insert(key, num_tokens, pages, skeleton, promoted, state_pages, layouts,
+                                self._read_segment_state)
+        self.pool.release(state_pages)
+        return entry
+
+    def _read_segment_state(self, entry: PICEntry) -> Mapping[str, Any]:
+        return unpack_tensors(entry.stored_state, self.blob_io.read(list(entry.state_pages), list(entry.state_layouts)))
 
     def set_pc_share(self, pc_share: float) -> None:
         """Retarget the PC share; nothing is evicted now, later evictions follow the new target."""
@@ -154,7 +223,7 @@ class CacheStore:
     def insert_segment(self, key: str, num_tokens: int, pages: list[int],
                        state: Mapping[str, Any] | None = None) -> PICEntry:
         """Cache a PIC segment (an existing key wins); returns its entry, locked."""
-        entry = self.pic.insert(key, num_tokens, pages, state)
+        entry = self._insert_segment(key, num_tokens, pages, state)
         self.pic.lock(entry)
         self._enforce_quota(CacheKind.PIC)
         return entry

@@ -46,6 +46,11 @@ class DiskEntry:
     file: str
     nbytes: int
     sha256: str
+    charge_tokens: int = 0  # capacity it takes (tokens + its state pages' tokens); 0: ``num_tokens``
+
+    @property
+    def charge(self) -> int:
+        return self.charge_tokens or self.num_tokens
 
 
 def data_file_name(kind: str, key: str) -> str:
@@ -110,7 +115,7 @@ class DiskTier:
                 return None
         except (TypeError, ValueError):
             return None
-        counts = (entry.num_tokens, entry.nbytes)
+        counts = (entry.num_tokens, entry.nbytes, entry.charge_tokens)
         if not all(type(n) is int and n >= 0 for n in counts) or not isinstance(entry.sha256, str):
             return None
         path = self.root / entry.file
@@ -123,7 +128,7 @@ class DiskTier:
     @property
     def used_tokens(self) -> int:
         with self._lock:
-            return sum(e.num_tokens for e in self._entries.values())
+            return sum(e.charge for e in self._entries.values())
 
     def entries(self) -> list[DiskEntry]:
         """Held entries, least recently used first (pending writes included)."""
@@ -141,10 +146,12 @@ class DiskTier:
             entry = self._entries.get((kind, key))
         return entry is not None and bool(entry.sha256)
 
-    def put(self, kind: str, key: str, num_tokens: int, payload: Any) -> Future:
-        """Store ``payload`` under (kind, key) in the background; the entry is held from now on."""
+    def put(self, kind: str, key: str, num_tokens: int, payload: Any, charge: int | None = None) -> Future:
+        """Store ``payload`` under (kind, key) in the background; the entry is held from now on. ``charge``: the
+        capacity it takes (default: its tokens)."""
         ident = (kind, key)
-        entry = DiskEntry(kind, key, num_tokens, data_file_name(kind, key), 0, "")
+        charge_tokens = 0 if charge is None or charge == num_tokens else charge
+        entry = DiskEntry(kind, key, num_tokens, data_file_name(kind, key), 0, "", charge_tokens)
         with self._lock:
             self._entries[ident] = entry
             self._entries.move_to_end(ident)
@@ -158,7 +165,7 @@ class DiskTier:
         _write_no_follow(tmp, data)
         os.replace(tmp, self.root / entry.file)
         digest = hashlib.sha256(data).hexdigest()
-        done = DiskEntry(entry.kind, entry.key, entry.num_tokens, entry.file, len(data), digest)
+        done = DiskEntry(entry.kind, entry.key, entry.num_tokens, entry.file, len(data), digest, entry.charge_tokens)
         with self._lock:
             ident = (entry.kind, entry.key)
             if self._entries.get(ident) is entry:  # not removed while it was being written

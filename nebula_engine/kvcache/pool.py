@@ -154,6 +154,11 @@ class KVCacheManager:
             return False
         return self.num_new_pages(seq_id, num_tokens) <= self.num_free_pages
 
+    def state_checkpoint(self, seq_id: str) -> int:
+        """Tokens at which ``seq_id``'s prefill must end a step, so its linear-attention state there can be cached
+        (``PrefixCachingKVCacheManager``); 0: nowhere."""
+        return 0
+
     def state_slot(self, seq_id: str) -> int | None:
         """``seq_id``'s linear-attention state slot; None for models without linear-attention layers."""
         return None if self.state_slots is None else self.state_slots.slot_of[seq_id]

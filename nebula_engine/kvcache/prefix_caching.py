@@ -9,18 +9,26 @@ Provenance (see ``radix_cache``): a sequence matches exact pages, plus pages of 
 it accepts (its PIC backend's spec). It caches its pages as exact up to its exact limit (the first token whose
 K/V an approximate combine made, or the first approximate page it matched) and as its provenance after it;
 a sequence with no provenance does not cache pages past its exact limit.
+
+Hybrid models (linear-attention state slots, ``state_io`` attached): a cached prefix is usable only up to its
+deepest node holding the linear-attention state after it, which a hit copies into the sequence's state slot.
+One state is saved per prompt, at its *checkpoint*: the end of its last full page before its last token, the
+longest prefix a later request can match (the same prompt again, or a longer conversation built on it). The
+scheduler ends a prefill step there (``state_checkpoint``), so the state is in the slot right after that step;
+page boundaries in between get no state: one costs ``state_io.num_pages`` pages, far more than a page of K/V.
 """
 
 from __future__ import annotations
 
-from nebula_engine.kvcache.cache_store import CacheStore, CacheStoreConfig
 import sys
 
+from nebula_engine.kvcache.cache_store import CacheStore, CacheStoreConfig
+from nebula_engine.kvcache.page_blob import LinearStateIO
 from nebula_engine.kvcache.pool import KVCacheError, KVCacheManager
 from nebula_engine.kvcache.radix_cache import EXACT, TreeNode
+from nebula_engine.kvcache.tiers import TierConfig
 
 ALL_EXACT = sys.maxsize  # exact limit of a sequence whose K/V is exact throughout
-from nebula_engine.kvcache.tiers import TierConfig
 
 
 class PrefixCachingKVCacheManager(KVCacheManager):
@@ -28,8 +36,13 @@ class PrefixCachingKVCacheManager(KVCacheManager):
                  store_config: CacheStoreConfig = CacheStoreConfig(), tiers: TierConfig | None = None,
                  enable_prefix_matching: bool = True):
         super().__init__(num_pages, page_size, num_state_slots)
-        # False: only the PIC store is used (models whose linear-attention state does not split at pages)
+        # False: only the PIC store is used
         self.enable_prefix_matching = enable_prefix_matching
+        # hybrid models: linear-attention states to and from pool pages (attached with the storage); prefix
+        # matching needs it
+        self.state_io: LinearStateIO | None = None
+        self._checkpoint: dict[str, int] = {}  # seq -> tokens after which its state is cached (hybrid models)
+        self._restore: set[str] = set()  # seqs whose slot gets their matched node's state once they hold one
         self.cache = CacheStore(self.pool, page_size, store_config, tiers)
         self.pool.reclaimer = self.cache.evict
         self._locked: dict[str, TreeNode] = {}  # seq -> deepest cached node of its prefix (locked)
@@ -53,16 +66,50 @@ class PrefixCachingKVCacheManager(KVCacheManager):
         match = self.cache.radix.match_prefix(usable, provenance)
         if provenance:
             self._provenance[seq_id] = provenance
-        if match.num_exact_pages < len(match.pages):
-            self._exact_limit[seq_id] = match.num_exact_pages * self.page_size
         self.cache.radix.inc_lock_ref(match.last_node)
         last, promoted = self.cache.promote_prefix(match.last_node, usable[len(match.pages) * self.page_size:])
         pages = match.pages + promoted
+        # promoted pages continue the match's provenance: exact after exact pages
+        num_exact = match.num_exact_pages + (0 if match.last_node.provenance else len(promoted))
+        if self.state_slots is not None:
+            last, pages = self._cut_to_state(seq_id, last, pages, len(usable))
+        if num_exact < len(pages):
+            self._exact_limit[seq_id] = num_exact * self.page_size
         self.pool.share(pages)
         self.block_tables[seq_id] = pages
         self._locked[seq_id] = last
         self._num_cached_pages[seq_id] = len(pages)
         return len(pages) * self.page_size
+
+    def _cut_to_state(self, seq_id: str, last: TreeNode, pages: list[int], num_usable: int
+                      ) -> tuple[TreeNode, list[int]]:
+        """The part of a match a hybrid model can use: up to its deepest node with a state (locked in ``last``'s
+        place); notes the state to restore and the sequence's checkpoint."""
+        if self.state_io is None:
+            raise KVCacheError("prefix matching on a model with linear-attention layers needs state_io")
+        usable = self.cache.radix.deepest_with_state(last)
+        if usable is not last:
+            self.cache.radix.inc_lock_ref(usable)
+            self.cache.radix.dec_lock_ref(last)
+        depth, node = 0, usable
+        while not node.is_root:
+            depth, node = depth + 1, node.parent
+        if depth:
+            self._restore.add(seq_id)
+        checkpoint = num_usable // self.page_size * self.page_size
+        if checkpoint > depth * self.page_size:
+            self._checkpoint[seq_id] = checkpoint
+        return usable, pages[:depth]
+
+    def state_checkpoint(self, seq_id: str) -> int:
+        return self._checkpoint.get(seq_id, 0)
+
+    def allocate_slots(self, seq_id: str, num_tokens: int) -> list[int]:
+        new_pages = super().allocate_slots(seq_id, num_tokens)
+        if seq_id in self._restore:  # its state slot is held now: start it from the matched prefix's state
+            self._restore.discard(seq_id)
+            self.state_io.load(list(self._locked[seq_id].state_pages), self.state_slots.slot_of[seq_id])
+        return new_pages
 
     def loading(self, token_ids: list[int]) -> bool:
         """Whether part of the cached prefix of ``token_ids`` is still being read from disk."""
@@ -92,8 +139,18 @@ class PrefixCachingKVCacheManager(KVCacheManager):
             self.cache.radix.dec_lock_ref(node)
             self._locked[seq_id] = last
             self._num_cached_pages[seq_id] = end
+        checkpoint = self._checkpoint.get(seq_id, ALL_EXACT)
+        if num_computed_tokens >= checkpoint:
+            del self._checkpoint[seq_id]
+        if num_computed_tokens == checkpoint and self._num_cached_pages[seq_id] * self.page_size == checkpoint:
+            # the step that just ran ended at the checkpoint: the slot holds the state after its last page
+            slot = self.state_slots.slot_of[seq_id]
+            self.cache.save_node_state(self._locked[seq_id], lambda pages: self.state_io.save(slot, pages),
+                                       self.state_io.num_pages)
 
     def free(self, seq_id: str) -> None:
+        self._checkpoint.pop(seq_id, None)
+        self._restore.discard(seq_id)
         node = self._locked.pop(seq_id, None)
         self._num_cached_pages.pop(seq_id, None)
         self._provenance.pop(seq_id, None)

@@ -17,6 +17,11 @@ Invariants:
 - ``lock_ref`` of a node counts the locks on it and on its descendants, so a locked node's whole
   path to the root is locked; only unlocked leaves are evicted, least recently used first;
 - pages returned by ``match_prefix`` are only safe while the returned node is locked.
+
+Hybrid models (linear-attention layers): a node may also hold ``state_pages``, the pages keeping the
+linear-attention state after its last token (``page_blob``). The tree holds one reference on each; they count
+in the node's size (one page's tokens each) and leave with the node. A prefix is usable by such a model only up
+to its deepest node with a state (``deepest_with_state``).
 """
 
 from __future__ import annotations
@@ -56,10 +61,15 @@ class TreeNode:
     children: dict[tuple[str, tuple[int, ...]], TreeNode] = field(default_factory=dict)  # by ``key``
     lock_ref: int = 0
     last_access: int = 0
+    state_pages: tuple[int, ...] = ()  # linear-attention state after this page (hybrid models), in pool pages
 
     @property
     def is_root(self) -> bool:
         return self.page < 0
+
+    @property
+    def num_pages(self) -> int:
+        return 1 + len(self.state_pages)
 
     @property
     def key(self) -> tuple[str, tuple[int, ...]]:
@@ -81,7 +91,7 @@ class RadixCache:
         self.events = events
         self._clock = clock
         self.root = TreeNode((), -1, root_hash(model_id), None)
-        self.evictable_size = 0  # tokens in unlocked nodes
+        self.evictable_size = 0  # tokens in unlocked nodes (each state page counted as a page of tokens)
         self.protected_size = 0  # tokens in locked nodes
         self._heap: list[tuple[int, int, TreeNode]] = []  # candidate leaves, lazily invalidated
         self._tiebreak = itertools.count()
@@ -153,6 +163,25 @@ class RadixCache:
         self.evictable_size += self.page_size
         return child
 
+    def attach_state(self, node: TreeNode, pages: list[int]) -> None:
+        """Give ``node`` the pages holding the linear-attention state after its last token (the tree takes its
+        own reference); a node keeps the first state it gets."""
+        if node.is_root or node.state_pages or not pages:
+            return
+        self.pool.share(pages)
+        node.state_pages = tuple(pages)
+        if node.lock_ref:
+            self.protected_size += len(pages) * self.page_size
+        else:
+            self.evictable_size += len(pages) * self.page_size
+
+    @staticmethod
+    def deepest_with_state(node: TreeNode) -> TreeNode:
+        """``node`` or its deepest ancestor holding a state; the root (start from no state) when none does."""
+        while not node.is_root and not node.state_pages:
+            node = node.parent
+        return node
+
     def _touch(self, node: TreeNode, stamp: int) -> None:
         node.last_access = stamp
         if not node.children and node.lock_ref == 0:
@@ -162,8 +191,8 @@ class RadixCache:
         """Pin ``node`` and its ancestors: none of them is evicted until ``dec_lock_ref``."""
         while not node.is_root:
             if node.lock_ref == 0:
-                self.evictable_size -= self.page_size
-                self.protected_size += self.page_size
+                self.evictable_size -= node.num_pages * self.page_size
+                self.protected_size += node.num_pages * self.page_size
             node.lock_ref += 1
             node = node.parent
 
@@ -173,8 +202,8 @@ class RadixCache:
                 raise KVCacheError(f"unlock of unlocked node {node.block_hash}")
             node.lock_ref -= 1
             if node.lock_ref == 0:
-                self.evictable_size += self.page_size
-                self.protected_size -= self.page_size
+                self.evictable_size += node.num_pages * self.page_size
+                self.protected_size -= node.num_pages * self.page_size
                 self._touch(node, node.last_access)
             node = node.parent
 
@@ -204,11 +233,11 @@ class RadixCache:
         parent = node.parent
         del parent.children[node.key]
         self._num_nodes -= 1
-        self.evictable_size -= self.page_size
+        self.evictable_size -= node.num_pages * self.page_size
         node.parent = None
         if self.demote is None or not self.demote(node):
             self.events.evict(CacheKind.PC, (node.block_hash,), self.page_size)
-        self.pool.release([node.page])
+        self.pool.release([node.page, *node.state_pages])
         if not parent.is_root:
             self._touch(parent, parent.last_access)
         if len(self._heap) > 4 * self._num_nodes + 64:
@@ -238,13 +267,14 @@ class RadixCache:
                                    f"K/V of {parent.provenance!r}")
             if node.lock_ref < max((c.lock_ref for c in node.children.values()), default=0):
                 raise KVCacheError(f"node {node.block_hash} is locked less than a descendant")
-            if node.page in seen_pages or self.pool.ref_cnt[node.page] < 1:
-                raise KVCacheError(f"page {node.page} is cached twice or not referenced")
-            seen_pages.add(node.page)
+            for page in (node.page, *node.state_pages):
+                if page in seen_pages or self.pool.ref_cnt[page] < 1:
+                    raise KVCacheError(f"page {page} is cached twice or not referenced")
+                seen_pages.add(page)
             if node.lock_ref:
-                protected += self.page_size
+                protected += node.num_pages * self.page_size
             else:
-                evictable += self.page_size
+                evictable += node.num_pages * self.page_size
         if (evictable, protected) != (self.evictable_size, self.protected_size):
             raise KVCacheError(f"sizes {(self.evictable_size, self.protected_size)} "
                                f"!= counted {(evictable, protected)}")

@@ -7,6 +7,10 @@ leaves that tier and the caller writes it back into device pages. Every move is 
 
 Payloads are opaque to this module: whatever the device side reads out of its pages (tensors) and
 any per-backend state, serialized only when written to disk.
+
+Capacities count an entry's ``charge``: its tokens, plus the pages of any state it carries (a hybrid model's
+linear-attention state, HYPIC's transition maps) at a page's tokens each, so states take tier room by size.
+Events keep reporting the entry's tokens.
 """
 
 from __future__ import annotations
@@ -38,22 +42,23 @@ class HostTier:
     def __init__(self, capacity_tokens: int):
         self.capacity_tokens = capacity_tokens
         self.used_tokens = 0
-        self._entries: OrderedDict[tuple[CacheKind, str], tuple[int, Any]] = OrderedDict()
+        self._entries: OrderedDict[tuple[CacheKind, str], tuple[int, int, Any]] = OrderedDict()
 
     def __contains__(self, ident: tuple[CacheKind, str]) -> bool:
         return ident in self._entries
 
     def items(self):
-        return [(ident, tokens) for ident, (tokens, _) in self._entries.items()]
+        return [(ident, tokens) for ident, (tokens, _, _) in self._entries.items()]
 
-    def put(self, ident: tuple[CacheKind, str], num_tokens: int, payload: Any) -> None:
-        self._entries[ident] = (num_tokens, payload)
-        self.used_tokens += num_tokens
+    def put(self, ident: tuple[CacheKind, str], num_tokens: int, payload: Any, charge: int) -> None:
+        self._entries[ident] = (num_tokens, charge, payload)
+        self.used_tokens += charge
 
-    def pop(self, ident: tuple[CacheKind, str]) -> tuple[int, Any]:
-        num_tokens, payload = self._entries.pop(ident)
-        self.used_tokens -= num_tokens
-        return num_tokens, payload
+    def pop(self, ident: tuple[CacheKind, str]) -> tuple[int, Any, int]:
+        """(tokens, payload, charge) of the entry, removed."""
+        num_tokens, charge, payload = self._entries.pop(ident)
+        self.used_tokens -= charge
+        return num_tokens, payload, charge
 
     def oldest(self) -> tuple[CacheKind, str]:
         return next(iter(self._entries))
@@ -75,22 +80,24 @@ class TierChain:
             return Tier.DISK
         return None
 
-    def demote(self, kind: CacheKind, key: str, num_tokens: int, payload: Any) -> bool:
-        """Take an entry leaving the device; False when it is dropped instead (nothing emitted)."""
+    def demote(self, kind: CacheKind, key: str, num_tokens: int, payload: Any, charge: int | None = None) -> bool:
+        """Take an entry leaving the device; False when it is dropped instead (nothing emitted).
+        ``charge``: the capacity it takes (default: its tokens)."""
         if not self.config.demote_on_evict:
             return False
-        if self.host is not None and num_tokens <= self.host.capacity_tokens:
+        charge = num_tokens if charge is None else charge
+        if self.host is not None and charge <= self.host.capacity_tokens:
             self.events.move(kind, (key,), num_tokens, Tier.DEVICE, Tier.HOST)
-            self.host.put((kind, key), num_tokens, payload)
+            self.host.put((kind, key), num_tokens, payload, charge)
             self._shrink_host()
             return True
-        return self._to_disk(kind, key, num_tokens, payload, Tier.DEVICE)
+        return self._to_disk(kind, key, num_tokens, payload, Tier.DEVICE, charge)
 
-    def _to_disk(self, kind: CacheKind, key: str, num_tokens: int, payload: Any, src: Tier) -> bool:
-        if self.disk is None or num_tokens > self.disk.capacity_tokens:
+    def _to_disk(self, kind: CacheKind, key: str, num_tokens: int, payload: Any, src: Tier, charge: int) -> bool:
+        if self.disk is None or charge > self.disk.capacity_tokens:
             return False
         self.events.move(kind, (key,), num_tokens, src, Tier.DISK)
-        self.disk.put(kind.value, key, num_tokens, payload)
+        self.disk.put(kind.value, key, num_tokens, payload, charge)
         while self.disk.used_tokens > self.disk.capacity_tokens:
             oldest = self.disk.entries()[0]
             self.disk.remove(oldest.kind, oldest.key)
@@ -100,15 +107,15 @@ class TierChain:
     def _shrink_host(self) -> None:
         while self.host.used_tokens > self.host.capacity_tokens:
             kind, key = self.host.oldest()
-            num_tokens, payload = self.host.pop((kind, key))
-            if not self._to_disk(kind, key, num_tokens, payload, Tier.HOST):
+            num_tokens, payload, charge = self.host.pop((kind, key))
+            if not self._to_disk(kind, key, num_tokens, payload, Tier.HOST, charge):
                 self.events.evict(kind, (key,), num_tokens, Tier.HOST)
 
     def discard(self, kind: CacheKind, key: str) -> None:
         """Drop a lower copy of ``key`` (the device now holds a fresh one)."""
         tier = self.tier_of(kind, key)
         if tier is Tier.HOST:
-            num_tokens, _ = self.host.pop((kind, key))
+            num_tokens, _, _ = self.host.pop((kind, key))
         elif tier is Tier.DISK:
             num_tokens = self._disk_tokens(kind, key)
             self.disk.remove(kind.value, key)
@@ -132,7 +139,7 @@ class TierChain:
         """
         tier = self.tier_of(kind, key)
         if tier is Tier.HOST:
-            num_tokens, payload = self.host.pop((kind, key))
+            num_tokens, payload, _ = self.host.pop((kind, key))
             self.events.move(kind, (key,), num_tokens, Tier.HOST, Tier.DEVICE)
             return payload
         if tier is Tier.DISK:

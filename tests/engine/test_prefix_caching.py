@@ -1,7 +1,5 @@
 """Prefix caching in the engine: hits are reported, skipped, and change no greedy token."""
 
-import logging
-
 import pytest
 import torch
 
@@ -106,18 +104,16 @@ def test_prefix_on_disk_is_reused_after_a_restart(qwen3_dir, tmp_path):
     assert again.num_cached_tokens == 28 and token_ids([again]) == token_ids([first])
 
 
-def test_hybrid_linear_attention_model_runs_without_prefix_caching(checkpoint_factory, caplog):
+def test_hybrid_linear_attention_model_caches_prefixes_with_their_states(checkpoint_factory):
+    """Details in test_hybrid_prefix_caching.py; here: the switch. On by default, off on request."""
     from nebula_engine.kvcache.prefix_caching import PrefixCachingKVCacheManager
 
     checkpoint = checkpoint_factory(CASES_BY_NAME["qwen3_5_linear_full_linear"])
-    with caplog.at_level(logging.WARNING):
-        llm = LLM(str(checkpoint), num_pages=32, page_size=8)
-    assert llm.llm_engine.scheduler.prefix_cache is None  # the cache store only serves the PIC store
-    assert llm.llm_engine.scheduler.kv_cache.enable_prefix_matching is False
-    assert "prefix caching disabled" in caplog.text
-    plain = LLM(str(checkpoint), num_pages=32, page_size=8, pic_backend=None)
+    llm = LLM(str(checkpoint), num_pages=32, page_size=8)
+    kv_cache = llm.llm_engine.scheduler.kv_cache
+    assert llm.llm_engine.scheduler.prefix_cache is kv_cache and kv_cache.state_io is not None
+    plain = LLM(str(checkpoint), num_pages=32, page_size=8, pic_backend=None, enable_prefix_caching=False)
     assert not isinstance(plain.llm_engine.scheduler.kv_cache, PrefixCachingKVCacheManager)
-
 
 
 def test_scheduler_evicts_cached_pages_before_preempting_and_never_caches_the_last_token():
