@@ -1,7 +1,7 @@
-"""Gated DeltaNet linear-attention layer (Qwen3.5) with carried state: a sequence's tokens, or a batch's decode tokens.
+"""Gated DeltaNet linear-attention layer (Qwen3.5) with carried state: one sequence, or a batch's decode tokens.
 
-Legend: T = tokens of one sequence, B = sequences, Hd = hidden size, Hk / Hv = key / value heads, dk / dv = their head dims,
-C = conv channels (2·Hk·dk + Hv·dv: q, k, v), K = conv kernel width.
+Legend: T = tokens of one sequence, B = sequences, Hd = hidden size, Hk / Hv = key / value heads,
+dk / dv = their head dims, C = conv channels (2·Hk·dk + Hv·dv: q, k, v), K = conv kernel width.
 
 Per sequence the layer's whole memory of the past is ``LinearAttentionState``: the last K-1 conv inputs
 and the recurrent state [Hv, dk, dv]. ``forward(x, state)`` continues from ``state`` (None = empty

@@ -86,16 +86,23 @@ class MLAttention(nn.Module):
 
     def query(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, Hd] -> q_nope [T, H, Dn], rotated q_pe [T, H, Dr]."""
-        mla = self.mla
-        q = self.q_proj(x) if mla.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q_nope, q_pe = q.view(x.shape[0], mla.num_heads, mla.qk_head_dim).split(
-            [mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
+        q_nope, q_pe = self._query_unrotated(x)
         return q_nope, self.rotary(positions, q_pe)
 
     def latent(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, Hd] -> normed latent c̃ [T, R], rotated k_pe [T, Dr]: the R + Dr values a latent cache keeps."""
+        latent, k_pe = self._latent_unrotated(x)
+        return latent, self.rotary(positions, k_pe[:, None, :])[:, 0]
+
+    def _query_unrotated(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mla = self.mla
+        q = self.q_proj(x) if mla.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return q.view(x.shape[0], mla.num_heads, mla.qk_head_dim).split(
+            [mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
+
+    def _latent_unrotated(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c, k_pe = self.kv_a_proj_with_mqa(x).split([self.mla.kv_lora_rank, self.mla.qk_rope_head_dim], dim=-1)
-        return self.kv_a_layernorm(c), self.rotary(positions, k_pe[:, None, :])[:, 0]
+        return self.kv_a_layernorm(c), k_pe
 
     def decompress(self, latent: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """c̃ [T, R], k_pe [T, Dr] -> K [T, H, D] (= [k_nope_h; k_pe]), V [T, H, Dv]."""
@@ -114,7 +121,10 @@ class MLAttention(nn.Module):
         return MLAParams(kv_b, mla.qk_nope_head_dim, self.scale)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, attn_ctx: AttentionContext) -> torch.Tensor:
-        q_nope, q_pe = self.query(positions, x)
-        latent, k_pe = self.latent(positions, x)
-        out = attn_ctx.attend_latent(self.attn_layer_idx, q_nope, q_pe, latent, k_pe, self.attention_params())
+        q_nope, q_pe = self._query_unrotated(x)
+        latent, k_pe = self._latent_unrotated(x)
+        # = query() and latent(): a token's q_pe heads and k_pe share its rotation, so one rotary call does both
+        rotated = self.rotary(positions, torch.cat([q_pe, k_pe[:, None, :]], dim=1))  # [T, H + 1, Dr]
+        out = attn_ctx.attend_latent(self.attn_layer_idx, q_nope, rotated[:, :-1], latent, rotated[:, -1],
+                                     self.attention_params())
         return self.o_proj(out.flatten(1))  # out [T, H, Dv]
