@@ -31,6 +31,7 @@ import argparse
 import json
 import random
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -230,9 +231,12 @@ class PICHarness:
         return hidden, [layer[0] for layer in new_states]
 
     def warm(self, backend: PICBackend, prompt: RagPrompt) -> None:
-        """Cache ``prompt``'s documents in the store, alone and in their cached (index) order."""
+        """Cache ``prompt``'s documents in the store, in their cached (index) order, each alone or behind the
+        system prompt (the backend's ``context``)."""
+        segmented = self.segmented(prompt)
+        context = self.executor.segment_context(backend, segmented.token_ids, segmented.pic_segments)
         for doc in prompt.docs:
-            entry = self.executor.lookup_or_prefill(backend, doc)
+            entry = self.executor.lookup_or_prefill(backend, doc, context)
             if entry is None:
                 raise RuntimeError("the KV pool has no room to cache the documents: raise num_pages")
             self.executor.cache.pic.unlock(entry)
@@ -241,10 +245,11 @@ class PICHarness:
     def combine_run(self, backend: PICBackend, segmented: SegmentedPrompt, block_table: torch.Tensor) -> CombineRun:
         """A ``CombineRun`` of ``segmented`` into ``block_table``'s pages, reused K/V placed (PICExecutor.run)."""
         pic_segments, num_tokens = segmented.pic_segments, len(segmented.token_ids)
+        context = self.executor.segment_context(backend, segmented.token_ids, pic_segments)
         cached, locked = {}, []
         try:
             for index, segment in enumerate(pic_segments):
-                found = self.executor.lookup_or_prefill(backend, segmented.segment_ids(segment))
+                found = self.executor.lookup_or_prefill(backend, segmented.segment_ids(segment), context)
                 if found is not None:
                     locked.append(found)
                     cached[index] = CachedSegment(found.pages, found.num_tokens, found.state)
@@ -291,12 +296,15 @@ class Reference:
     logits: torch.Tensor
     continuation: list[int]
     states: list | None  # per linear-attention layer, after the prompt
+    prefill_seconds: float = 0.0  # the prompt's plain prefill (one forward)
 
 
 @torch.inference_mode()
 def full_reference(harness: PICHarness, token_ids: list[int], steps: int) -> Reference:
     table = harness.allocate(len(token_ids) + steps)
+    start = time.perf_counter()
     hidden, states = harness.forward(token_ids, table, 0)
+    prefill_seconds = time.perf_counter() - start
     prompt_states = states
     logits = [harness.model.compute_logits(hidden[-1:])]
     continuation = [int(logits[-1].argmax())]
@@ -304,7 +312,7 @@ def full_reference(harness: PICHarness, token_ids: list[int], steps: int) -> Ref
         hidden, states = harness.forward(continuation[-1:], table, len(token_ids) + step, states)
         logits.append(harness.model.compute_logits(hidden))
         continuation.append(int(logits[-1].argmax()))
-    return Reference(table, torch.cat(logits), continuation, prompt_states)
+    return Reference(table, torch.cat(logits), continuation, prompt_states, prefill_seconds)
 
 
 @torch.inference_mode()
@@ -456,6 +464,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--segment-sink", choices=("auto", "none"), default="auto",
                         help="facts: prefill each document behind the model's sink token (auto, the engine's "
                              "default) or alone (none: how PIC ran before issue #12)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="facts: also run each named backend at the sweep settings of pic_quality_rag.SWEEPS "
+                             "(recomputed share ~5-30%%)")
+    parser.add_argument("--progress", default=None,
+                        help="facts: after each prompt, write the rows so far here (JSON; --merge reads it)")
+    parser.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                        help="facts: only report: merge --out/--progress JSONs of runs over disjoint prompts (other "
+                             "seeds) with the same specs into one table and plot")
     parser.add_argument("--markdown", default=None, help="facts: write the markdown table here")
     parser.add_argument("--png", default=None, help="facts: write the quality vs recomputed plot here")
     parser.add_argument("--family", default="mistral", choices=TINY_FAMILIES)
@@ -503,11 +519,16 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.merge:
+        from pic_quality_rag import merge
+
+        return merge(args.merge, args.markdown, args.png, args.model)
     if args.prompts == "facts":
         from pic_quality_rag import run as run_facts
 
         report = run_facts(args.model, args.backend, args.num_prompts, args.seed, args.page_size, args.markdown,
-                           args.png, sink=args.segment_sink == "auto")
+                           args.png, sink=args.segment_sink == "auto", sweep=args.sweep,
+                           progress_path=args.progress)
         if args.out:
             Path(args.out).write_text(json.dumps(report, indent=2))
         return report

@@ -14,9 +14,11 @@ Writes a markdown table and a PNG (next-token KL and top-1 against the recompute
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -25,8 +27,22 @@ from pic_quality import PICHarness, full_reference, kl_per_row, teacher_forced_l
 
 REPLY_TOKENS = 20
 DEFAULT_SPECS = ("full", "naive", "epic", "cacheblend", "a3")
-SWEEP_SPECS = ("epic:k=4", "epic:k=8", "epic:k=32", "cacheblend:ratio=0.05", "cacheblend:ratio=0.3",
-               "a3:ratio=0.05", "a3:ratio=0.3")
+# per backend, settings besides its default whose recomputed share spans ~5-30% of the reused tokens on these
+# prompts (documents of ~60 tokens: epic's default k=16 recomputes ~26%, k=4 ~7%)
+SWEEPS = {"epic": ("epic:k=2", "epic:k=4", "epic:k=8"),
+          "cacheblend": ("cacheblend:ratio=0.05", "cacheblend:ratio=0.3"),
+          "a3": ("a3:ratio=0.05", "a3:ratio=0.3")}
+SWEEP_SPECS = tuple(spec for specs in SWEEPS.values() for spec in specs)
+
+
+def with_sweep(specs: list[str]) -> list[str]:
+    """``specs`` plus the sweep settings of each backend named there (a spec that names none is kept as is)."""
+    out: list[str] = []
+    for spec in specs:
+        for item in (spec, *SWEEPS.get(spec.split(":")[0], ())):
+            if item not in out:
+                out.append(item)
+    return out
 
 
 @dataclass(frozen=True)
@@ -70,8 +86,10 @@ def reply_tokens(harness: PICHarness, logits: torch.Tensor, reference: list[int]
 @torch.inference_mode()
 def measure(harness: PICHarness, spec: str, prompt: ChatPrompt, reference, prefill_seconds: float) -> dict:
     backend = harness.backend(spec)
-    for doc in prompt.cached_docs:  # the store warmed in index order, each document alone
-        harness.executor.cache.pic.unlock(harness.executor.lookup_or_prefill(backend, doc))
+    segmented = prompt.segmented
+    context = harness.executor.segment_context(backend, segmented.token_ids, segmented.pic_segments)
+    for doc in prompt.cached_docs:  # the store warmed in index order, each document alone or behind the prefix
+        harness.executor.cache.pic.unlock(harness.executor.lookup_or_prefill(backend, doc, context))
     num_tokens = len(prompt.segmented.token_ids)
     table = harness.allocate(num_tokens + REPLY_TOKENS)
     try:
@@ -92,35 +110,34 @@ def measure(harness: PICHarness, spec: str, prompt: ChatPrompt, reference, prefi
         harness.release(table)
 
 
-def evaluate(harness: PICHarness, specs: list[str], num_prompts: int, seed: int) -> dict:
+def evaluate(harness: PICHarness, specs: list[str], num_prompts: int, seed: int,
+             progress_path: str | None = None) -> dict:
+    """Per prompt (seeds ``seed`` .. ``seed + num_prompts - 1``) and spec, the rows of ``measure``; after each
+    prompt the rows so far go to ``progress_path`` (JSON) when given, so a cut run still has them."""
     per_spec: dict[str, list[dict]] = {spec: [] for spec in specs}
     off = []
     for index in range(num_prompts):
         prompt = ChatPrompt.build(harness, FactPrompt.random(seed + index))
         ids = list(prompt.segmented.token_ids)
-        prefill_seconds = plain_prefill_seconds(harness, ids)
         reference = full_reference(harness, ids, REPLY_TOKENS)
         try:
             text = harness.engine.tokenizer.decode(reference.continuation)
             off.append({"correct": float(prompt.facts.is_correct(text)), "reply": text, "answer": prompt.facts.answer,
                         "num_tokens": len(ids)})
             for spec in specs:
-                per_spec[spec].append(measure(harness, spec, prompt, reference, prefill_seconds))
+                per_spec[spec].append(measure(harness, spec, prompt, reference, reference.prefill_seconds))
             print(f"prompt {index + 1}/{num_prompts}: PIC off {'right' if off[-1]['correct'] else 'wrong'} "
                   f"({off[-1]['reply']!r}, answer {off[-1]['answer']!r}), "
                   + ", ".join(f"{spec} KL {per_spec[spec][-1]['kl_next']:.3f}" for spec in specs),
                   file=sys.stderr, flush=True)
+            if progress_path:
+                Path(progress_path).write_text(json.dumps({"model": harness.engine.config.model, "pic_off": off,
+                                                           "segment_sink": harness.executor.bos_token_id,
+                                                           "rows": per_spec}))
         finally:
             harness.release(reference.block_table)
-    return {"pic_off": off, "results": [aggregate(spec, rows) for spec, rows in per_spec.items()]}
-
-
-def plain_prefill_seconds(harness: PICHarness, ids: list[int]) -> float:
-    table = harness.allocate(len(ids))
-    try:
-        return timed(lambda: harness.forward(ids, table, 0))[1]
-    finally:
-        harness.release(table)
+    return {"pic_off": off, "rows": per_spec,
+            "results": [aggregate(spec, rows) for spec, rows in per_spec.items()]}
 
 
 def aggregate(spec: str, rows: list[dict]) -> dict:
@@ -152,6 +169,13 @@ def format_markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def sweep_line(spec: str) -> str:
+    """The plot line of a spec: the spec without its swept option (``k`` / ``ratio``)."""
+    name, _, options = spec.partition(":")
+    kept = [o for o in options.split(",") if o and o.split("=")[0] not in ("k", "ratio")]
+    return f"{name}:{','.join(kept)}" if kept else name
+
+
 def plot(report: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -159,15 +183,16 @@ def plot(report: dict, path: str) -> None:
 
     lines: dict[str, list[dict]] = {}
     for r in report["results"]:
-        lines.setdefault(r["backend"].split(":")[0], []).append(r)
+        lines.setdefault(sweep_line(r["backend"]), []).append(r)
     figure, (kl_axis, top1_axis) = plt.subplots(1, 2, figsize=(10, 4))
     for name, rows in lines.items():
         rows = sorted(rows, key=lambda r: r["recomputed"])
         x = [r["recomputed"] for r in rows]
         kl_axis.plot(x, [max(r["kl_next"], 1e-6) for r in rows], marker="o", label=name)
-        top1_axis.plot(x, [r["top1_next"] for r in rows], marker="o", label=name)
+        top1_axis.plot(x, [r["top1_tf"] for r in rows], marker="o", label=name)
     kl_axis.set(xlabel="reused tokens recomputed", ylabel="next-token KL vs PIC off (nats)", yscale="log")
-    top1_axis.set(xlabel="reused tokens recomputed", ylabel="next-token top-1 agreement", ylim=(0, 1.02))
+    top1_axis.set(xlabel="reused tokens recomputed", ylabel="top-1 agreement over the reply (teacher-forced)",
+                  ylim=(0, 1.02))
     top1_axis.legend()
     figure.suptitle(f"{report['model']}: {report['num_prompts']} fictional-fact RAG prompts")
     figure.tight_layout()
@@ -176,18 +201,28 @@ def plot(report: dict, path: str) -> None:
 
 
 def run(model: str, specs: list[str] | None, num_prompts: int, seed: int, page_size: int,
-        markdown: str | None, png: str | None, sink: bool = True) -> dict:
+        markdown: str | None, png: str | None, sink: bool = True, sweep: bool = False,
+        progress_path: str | None = None) -> dict:
     harness = PICHarness(model, num_pages=400, page_size=page_size)
     if not sink:
         harness.executor.bos_token_id = None  # documents prefilled alone, with no sink before them
     if harness.has_linear_attention:
         raise SystemExit("--prompts facts measures attention-only models (HYPIC has its own tests)")
-    specs = specs or list(DEFAULT_SPECS + SWEEP_SPECS)
-    measured = evaluate(harness, specs, num_prompts, seed)
-    off = measured["pic_off"]
-    report = {"model": model, "segment_sink": harness.executor.bos_token_id, "num_prompts": num_prompts, "mean_tokens": sum(o["num_tokens"] for o in off) / len(off),
-              "reused_share": measured["results"][0]["reused_share"] if measured["results"] else 0.0,
-              "pic_off_accuracy": sum(o["correct"] for o in off) / len(off), **measured}
+    specs = specs or list(DEFAULT_SPECS)
+    if sweep:
+        specs = with_sweep(specs)
+    measured = evaluate(harness, specs, num_prompts, seed, progress_path)
+    return finish({"model": model, "segment_sink": harness.executor.bos_token_id, "seed": seed, **measured},
+                  markdown, png)
+
+
+def finish(report: dict, markdown: str | None, png: str | None) -> dict:
+    """Add the summary fields to a report of ``pic_off`` and per-spec ``rows``, print it, write table and plot."""
+    off = report["pic_off"]
+    results = [aggregate(spec, rows) for spec, rows in report["rows"].items()]
+    report = {**report, "num_prompts": len(off), "mean_tokens": sum(o["num_tokens"] for o in off) / len(off),
+              "reused_share": results[0]["reused_share"] if results else 0.0,
+              "pic_off_accuracy": sum(o["correct"] for o in off) / len(off), "results": results}
     text = format_markdown(report)
     print(text)
     if markdown:
@@ -197,3 +232,15 @@ def run(model: str, specs: list[str] | None, num_prompts: int, seed: int, page_s
         plot(report, png)
         print(f"wrote {png}")
     return report
+
+
+def merge(paths: list[str], markdown: str | None, png: str | None, model: str | None = None) -> dict:
+    """One report from runs over disjoint prompts (``--out`` JSONs, or progress files) with the same specs."""
+    parts = [json.loads(Path(path).read_text()) for path in paths]
+    specs = [list(part["rows"]) for part in parts]
+    if any(s != specs[0] for s in specs):
+        raise SystemExit(f"--merge needs runs of the same backend specs, got {specs}")
+    rows = {spec: [row for part in parts for row in part["rows"][spec]] for spec in specs[0]}
+    first = parts[0]
+    return finish({"model": first.get("model", model or "?"), "segment_sink": first.get("segment_sink"),
+                   "pic_off": [o for part in parts for o in part["pic_off"]], "rows": rows}, markdown, png)

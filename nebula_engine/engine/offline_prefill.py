@@ -2,9 +2,12 @@
 
 Each non-blank line is a JSON object with ``"text"`` (tokenized by ``encode_plain``, exactly as the text between
 ``<pic>`` tags is at serving time) or ``"token_ids"``, and an optional ``"id"``. Each document is one PIC segment,
-keyed by ``PICExecutor.segment_key`` for the engine's backend. A document already on the disk tier is skipped, so a
-rerun resumes where a stopped one left off; any other is prefilled alone by the engine's ``PICExecutor`` (the
-scatter prefill serving would run) and evicted straight down to the disk tier.
+keyed by ``PICExecutor.segment_key`` for the engine's backend. A backend with ``context=prefix`` caches a document
+as computed behind the prefix of the requests that will use it, which each line then names with one of
+``"system"`` (a chat's system prompt: the template's text up to the user turn's first ``<pic>``),
+``"prefix"`` (a completion prompt's text before its first ``<pic>``) or ``"prefix_token_ids"``. A document
+already on the disk tier is skipped, so a rerun resumes where a stopped one left off; any other is prefilled by
+the engine's ``PICExecutor`` (the scatter prefill serving would run) and evicted straight down to the disk tier.
 
 Invariants: the engine has a disk tier and no host tier, so an eviction lands on disk; the device pool holds at
 most the document being prefilled; at most ``batch_size`` payloads wait for the disk writer and cache events are
@@ -28,6 +31,7 @@ MANIFEST_FILE = "prefill-manifest.json"
 UNLIMITED_DISK_TOKENS = 1 << 62
 MAX_KEPT_FAILURES = 100  # failures beyond these are counted, not kept
 _TAGS = ("<pic>", "</pic>")
+PREFIX_FIELDS = ("system", "prefix", "prefix_token_ids")
 
 
 class DocumentError(ValueError):
@@ -133,16 +137,21 @@ class OfflinePrefill:
             document = parse_document(raw)
             doc_id = document.get("id")
             token_ids = self.document_token_ids(document)
+            context = self.document_context(document)
+            if len(context) + len(token_ids) >= self.engine.max_model_len:
+                raise DocumentError(f"a prefix of {len(context)} tokens and {len(token_ids)} document tokens leave "
+                                    f"no room under max_model_len {self.engine.max_model_len}")
         except DocumentError as error:
             return Outcome(number, doc_id, "failed", reason=str(error)), None
-        key = self.executor.segment_key(self.backend, token_ids)
+        key = self.executor.segment_key(self.backend, token_ids, context)
         if self.store.tiers.tier_of(CacheKind.PIC, key) is Tier.DISK:
             return Outcome(number, doc_id, "skipped", len(token_ids)), None
-        entry = self.executor.prefill_segment(self.backend, key, token_ids)
+        entry = self.executor.prefill_segment(self.backend, key, token_ids, context)
         if entry is None:
-            pages = -(-len(token_ids) // self.store.page_size)
+            pages = -(-len(token_ids) // self.store.page_size) + -(-len(context) // self.store.page_size)
             return Outcome(number, doc_id, "failed", len(token_ids),
-                           f"{len(token_ids)} tokens need {pages} pages; the KV pool has "
+                           f"{len(token_ids)} tokens behind a prefix of {len(context)} need {pages} pages; "
+                           f"the KV pool has "
                            f"{self.store.pool.num_pages}"), None
         self.store.pic.unlock(entry)
         self.store.evict_all()
@@ -172,6 +181,32 @@ class OfflinePrefill:
             raise DocumentError(f"{len(token_ids)} tokens exceed the disk tier's capacity of "
                                 f"{self.disk.capacity_tokens}")
         return token_ids
+
+    def document_context(self, document: dict[str, Any]) -> tuple[int, ...]:
+        """What the document is prefilled behind: the prefix its line names (backend ``context=prefix``), as
+        serving tokenizes a request's tokens before its first PIC segment; else the backend's own context."""
+        named = [name for name in PREFIX_FIELDS if name in document]
+        if self.backend.context != "prefix":
+            if named:
+                raise DocumentError(f'"{named[0]}" is only for a PIC backend with context=prefix; this engine\'s '
+                                    f"is {self.backend.spec}")
+            return self.executor.segment_context(self.backend, (), ())
+        if not named:
+            raise DocumentError(f"PIC backend {self.backend.spec} caches documents behind the requests' prefix: "
+                                f'give the line one of {", ".join(PREFIX_FIELDS)}')
+        tokenizer = self.engine.tokenizer
+        if named[0] == "system":
+            segmented = tokenizer.segment_chat([{"role": "system", "content": document["system"]},
+                                                {"role": "user", "content": "<pic>document</pic>"}])
+        elif named[0] == "prefix":
+            segmented = tokenizer.segment_prompt(f"{document['prefix']}<pic>document</pic>")
+        else:
+            vocab = self.engine.model_config.vocab_size
+            bad = [t for t in document["prefix_token_ids"] if not 0 <= t < vocab]
+            if bad:
+                raise DocumentError(f"prefix token id(s) {bad[:5]} outside the vocabulary [0, {vocab})")
+            return tuple(document["prefix_token_ids"])
+        return self.executor.segment_context(self.backend, segmented.token_ids, segmented.pic_segments)
 
     def _finish_batch(self, batch: list[str], report: PrefillReport, source: str) -> None:
         """Wait for the batch's disk writes, count what the disk dropped, update the manifest."""
@@ -229,6 +264,19 @@ def parse_document(raw: bytes) -> dict[str, Any]:
     result = {} if doc_id is None else {"id": str(doc_id)}
     if ("text" in document) == ("token_ids" in document):
         raise DocumentError('a document needs exactly one of "text" or "token_ids"')
+    named = [name for name in PREFIX_FIELDS if name in document]
+    if len(named) > 1:
+        raise DocumentError(f"a document names at most one prefix, got {', '.join(named)}")
+    for name in named:
+        value = document[name]
+        if name == "prefix_token_ids":
+            if not isinstance(value, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in value):
+                raise DocumentError('"prefix_token_ids" must be a list of integers')
+        elif not isinstance(value, str):
+            raise DocumentError(f'"{name}" must be a string, got {type(value).__name__}')
+        elif any(tag in value for tag in _TAGS):
+            raise DocumentError(f'"{name}" contains a <pic> or </pic> tag: a prefix ends before the first one')
+        result[name] = value
     if "text" in document:
         if not isinstance(document["text"], str):
             raise DocumentError(f'"text" must be a string, got {type(document["text"]).__name__}')

@@ -2,7 +2,8 @@
 
 For a request admitted with its whole prompt's pages (the prefix-cache hit already in them):
 1. each PIC segment not covered by the prefix is looked up in the PIC store; a cold one is prefilled alone
-   into fresh pages and stored (if the pool has no room it is computed in the combine instead);
+   (or behind the request's tokens before its first segment, for a backend with ``context="prefix"``) into
+   fresh pages and stored (if the pool has no room it is computed in the combine instead);
 2. the cached segments' K/V is copied to the request's slots and re-rotated to its positions;
 3. the request's backend runs the combine prefill and returns the last prompt token's hidden state.
 Entries stay locked only while their pages are copied. The request's pages then go to the prefix cache as
@@ -13,6 +14,7 @@ the backend's spec, which no PIC-off request ever matches (``radix_cache``'s pro
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -50,8 +52,22 @@ class PICExecutor:
         self.bos_token_id = bos_token_id
         self.stats = PICStats()
 
-    def segment_key(self, backend: PICBackend, token_ids) -> str:
-        return segment_key(self.model_id, backend.cache_format, list(token_ids))
+    def segment_key(self, backend: PICBackend, token_ids, context_ids=()) -> str:
+        """The store key of a segment prefilled behind ``context_ids`` (``segment_context``): a backend with
+        ``context="prefix"`` keys its entries by that prefix too, so K/V made behind one prefix never serves
+        a request behind another."""
+        cache_format = backend.cache_format
+        if backend.context == "prefix":
+            digest = hashlib.sha256(",".join(map(str, context_ids)).encode()).hexdigest()[:32]
+            cache_format = f"{cache_format}+prefix:{digest}"
+        return segment_key(self.model_id, cache_format, list(token_ids))
+
+    def segment_context(self, backend: PICBackend, token_ids, pic_segments) -> tuple[int, ...]:
+        """What a request's segments are prefilled behind for ``backend``: its tokens before the first PIC
+        segment with ``context="prefix"``; otherwise the model's BOS, if it has one, or nothing."""
+        if backend.context == "prefix":
+            return tuple(int(t) for t in token_ids[:pic_segments[0].start]) if pic_segments else ()
+        return () if self.bos_token_id is None else (self.bos_token_id,)
 
     @torch.inference_mode()
     def run(self, entry: ScheduledSequence) -> torch.Tensor:
@@ -65,7 +81,8 @@ class PICExecutor:
             needed = {index: segmented.segment_ids(segment) for index, segment in enumerate(pic_segments)
                       # not inside the exact prefix, nor only the last token (always computed)
                       if max(segment.start, prefix_len) < min(segment.end, num_tokens - 1)}
-            entries, fresh = self._lookup_or_prefill(backend, list(needed.values()))
+            context = self.segment_context(backend, seq.token_ids, pic_segments)
+            entries, fresh = self._lookup_or_prefill(backend, list(needed.values()), context)
             hits = set()  # segments whose KV existed before this request
             for index, found, made_now in zip(needed, entries, fresh):
                 if found is not None:
@@ -98,19 +115,26 @@ class PICExecutor:
         self.stats.combines += 1
         return result.hidden
 
-    def lookup_or_prefill(self, backend: PICBackend, token_ids) -> PICEntry | None:
-        """The segment's store entry, locked: found (maybe promoted from a lower tier) or prefilled alone now.
-        None when it is cold and the pool has no room for it."""
-        return self.lookup_or_prefill_many(backend, [token_ids])[0]
+    def lookup_or_prefill(self, backend: PICBackend, token_ids, context_ids=None) -> PICEntry | None:
+        """The segment's store entry, locked: found (maybe promoted from a lower tier) or prefilled now behind
+        ``context_ids`` (None: the backend's context for a segment that starts the prompt). None when it is cold
+        and the pool has no room for it."""
+        return self.lookup_or_prefill_many(backend, [token_ids], context_ids)[0]
 
-    def lookup_or_prefill_many(self, backend: PICBackend, segments: list) -> list[PICEntry | None]:
-        """``lookup_or_prefill`` for several segments; the cold ones are prefilled together (one forward when
-        the backend batches them). A segment repeated in ``segments`` is prefilled once."""
-        return self._lookup_or_prefill(backend, segments)[0]
+    def lookup_or_prefill_many(self, backend: PICBackend, segments: list, context_ids=None) -> list[PICEntry | None]:
+        """``lookup_or_prefill`` for several segments behind the same context; the cold ones are prefilled
+        together (one forward when the backend batches them). A segment repeated in ``segments`` is prefilled
+        once."""
+        return self._lookup_or_prefill(backend, segments, self._context(backend, context_ids))[0]
 
-    def _lookup_or_prefill(self, backend: PICBackend, segments: list) -> tuple[list[PICEntry | None], list[bool]]:
+    def _context(self, backend: PICBackend, context_ids) -> tuple[int, ...]:
+        """``context_ids`` as a tuple; None: the backend's context for a segment that starts the prompt."""
+        return self.segment_context(backend, (), ()) if context_ids is None else tuple(context_ids)
+
+    def _lookup_or_prefill(self, backend: PICBackend, segments: list,
+                           context_ids: tuple[int, ...]) -> tuple[list[PICEntry | None], list[bool]]:
         """``lookup_or_prefill_many``, plus per segment whether its entry was prefilled by this call."""
-        keys = [self.segment_key(backend, ids) for ids in segments]
+        keys = [self.segment_key(backend, ids, context_ids) for ids in segments]
         entries: list[PICEntry | None] = []
         cold: dict[str, list] = {}
         for key, ids in zip(keys, segments):
@@ -120,7 +144,7 @@ class PICExecutor:
                 self.stats.segment_hits += 1
             else:
                 cold.setdefault(key, list(ids))
-        created = self.prefill_segments(backend, cold) if cold else {}
+        created = self.prefill_segments(backend, cold, context_ids) if cold else {}
         handed_out: set[str] = set()
         for i, key in enumerate(keys):
             if entries[i] is None and created.get(key) is not None:
@@ -132,29 +156,34 @@ class PICExecutor:
         self.stats.segment_skipped += sum(1 for e in created.values() if e is None)
         return entries, [key in created for key in keys]
 
-    def prefill_segment(self, backend: PICBackend, key: str, token_ids) -> PICEntry | None:
+    def prefill_segment(self, backend: PICBackend, key: str, token_ids, context_ids=None) -> PICEntry | None:
         """One segment: ``prefill_segments`` of one."""
-        return self.prefill_segments(backend, {key: list(token_ids)})[key]
+        return self.prefill_segments(backend, {key: list(token_ids)}, context_ids)[key]
 
-    def prefill_segments(self, backend: PICBackend, cold: dict[str, list]) -> dict[str, PICEntry | None]:
-        """Scatter prefill: compute each segment alone into new pages and store it; entries come back locked.
+    def prefill_segments(self, backend: PICBackend, cold: dict[str, list],
+                         context_ids=None) -> dict[str, PICEntry | None]:
+        """Scatter prefill: compute each segment behind ``context_ids`` (None: ``_context``; their K/V is dropped)
+        into new pages and store it under ``key`` (``segment_key`` of the same context); entries come back locked.
         A segment the pool has no room for maps to None."""
         page_size = self.storage.page_size
         device = self.storage.layer_caches[0][0].device
         pool = self.cache.pool
+        context_ids = self._context(backend, context_ids)
         planned, held = [], []
         for key, ids in cold.items():
             num_pages = -(-len(ids) // page_size)
-            scratch = 1 if self.bos_token_id is not None else 0
+            scratch = -(-len(context_ids) // page_size)
             try:
                 pages = pool.allocate(num_pages + scratch)
             except OutOfPagesError:
                 continue
             held.append(pages)
+            scratch_slots = tuple(pages[num_pages + i // page_size] * page_size + i % page_size
+                                  for i in range(len(context_ids)))
             planned.append((key, ids, pages[:num_pages], SegmentPrefill(
                 torch.tensor(ids, dtype=torch.int64, device=device), tuple(pages[:num_pages]), page_size,
-                self.storage.layer_caches, self.attention_backend, self.mla_backend, self.bos_token_id,
-                pages[num_pages] * page_size if scratch else None)))
+                self.storage.layer_caches, self.attention_backend, self.mla_backend, tuple(context_ids),
+                scratch_slots)))
         created: dict[str, PICEntry | None] = dict.fromkeys(cold)
         try:
             states = backend.prefill_segments(self.model, [p[3] for p in planned]) if planned else []

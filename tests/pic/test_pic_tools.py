@@ -145,3 +145,34 @@ def test_quality_runs_a_local_checkpoint_given_with_model(tmp_path):
     (run,) = report["runs"]
     assert run["model"]["family"] == "qwen3" and run["prompt"]["num_tokens"] == 4 + 2 * 8 + 4  # Qwen: no BOS
     assert run["results"][0]["top1_agreement"] == 1.0
+
+
+def test_sweep_adds_each_named_backends_settings_once():
+    rag = import_tool("pic_quality_rag")
+    specs = rag.with_sweep(["naive", "epic", "cacheblend:context=prefix", "epic:k=4"])
+    assert specs[:5] == ["naive", "epic", "epic:k=2", "epic:k=4", "epic:k=8"]
+    assert "cacheblend:ratio=0.05" in specs and len(specs) == len(set(specs))
+    assert rag.sweep_line("cacheblend:ratio=0.3,context=prefix") == "cacheblend:context=prefix"
+    assert rag.sweep_line("epic:k=4") == "epic"
+
+
+def test_merge_pools_the_rows_of_runs_over_disjoint_prompts(tmp_path, capsys):
+    rag = import_tool("pic_quality_rag")
+    keys = ("recomputed", "reused_share", "kl_next", "top1_next", "kl_tf", "top1_tf", "match20", "correct",
+            "combine_share")
+
+    def part(path, kl, correct):
+        row = {**dict.fromkeys(keys, 0.5), "kl_next": kl, "correct": correct, "reply": "r"}
+        path.write_text(json.dumps({"model": "m", "segment_sink": None, "rows": {"naive": [row]},
+                                    "pic_off": [{"correct": correct, "reply": "r", "answer": "a", "num_tokens": 10}]}))
+        return str(path)
+
+    report = rag.merge([part(tmp_path / "a.json", 0.1, 1.0), part(tmp_path / "b.json", 0.3, 0.0)],
+                       str(tmp_path / "t.md"), None)
+    assert report["num_prompts"] == 2 and report["pic_off_accuracy"] == 0.5
+    assert report["results"][0]["kl_next"] == pytest.approx(0.2)
+    assert "| naive | 50% | 0.200 |" in (tmp_path / "t.md").read_text()
+    with pytest.raises(SystemExit, match="same backend specs"):
+        bad = tmp_path / "c.json"
+        bad.write_text(json.dumps({"rows": {"epic": []}, "pic_off": []}))
+        rag.merge([str(tmp_path / "a.json"), str(bad)], None, None)

@@ -34,7 +34,11 @@ def has_linear_attention(model: nn.Module) -> bool:
 
 @dataclass(frozen=True)
 class SegmentPrefill:
-    """Where one segment's isolated prefill writes: its own pages, plus a scratch slot for a dropped BOS."""
+    """Where one segment's prefill writes: its own pages, plus scratch slots for the context computed before it.
+
+    ``context_ids`` are prepended and their K/V dropped: a BOS (CacheBlend's and EPIC's offline encoding), or the
+    request's whole prefix (a backend with ``context="prefix"``), so the segment's K/V is computed behind a real
+    attention sink at the positions it takes right after that prefix."""
 
     token_ids: torch.Tensor  # [n] int64
     pages: tuple[int, ...]
@@ -42,8 +46,13 @@ class SegmentPrefill:
     kv_caches: Any  # per attention layer, the pool's tensors
     attention_backend: AttentionBackend
     mla_backend: MLAAttentionBackend | None
-    bos_token_id: int | None  # prepended and dropped (CacheBlend's and EPIC's offline encoding), None: no BOS
-    scratch_slot: int | None  # where the BOS K/V goes (discarded); required with a BOS
+    context_ids: tuple[int, ...] = ()  # prefilled before the segment, K/V discarded
+    scratch_slots: tuple[int, ...] = ()  # one per context token: where its K/V goes
+
+    def __post_init__(self) -> None:
+        if len(self.scratch_slots) != len(self.context_ids):
+            raise ValueError(f"{len(self.context_ids)} context tokens need as many scratch slots, "
+                             f"got {len(self.scratch_slots)}")
 
     def slots(self) -> torch.Tensor:
         index = torch.arange(self.token_ids.numel(), device=self.token_ids.device)
@@ -51,11 +60,11 @@ class SegmentPrefill:
         return pages[index // self.page_size] * self.page_size + index % self.page_size
 
     def inputs(self) -> tuple[torch.Tensor, torch.Tensor, AttentionContext]:
-        """(input ids, positions, attention context) of the isolated prefill; K/V land in ``pages``."""
+        """(input ids, positions, attention context) of the segment's prefill; K/V land in ``pages``."""
         ids, slots = self.token_ids, self.slots()
-        if self.bos_token_id is not None:
-            ids = torch.cat([ids.new_tensor([self.bos_token_id]), ids])
-            slots = torch.cat([slots.new_tensor([self.scratch_slot]), slots])
+        if self.context_ids:
+            ids = torch.cat([ids.new_tensor(self.context_ids), ids])
+            slots = torch.cat([slots.new_tensor(self.scratch_slots), slots])
         positions = torch.arange(ids.numel(), device=ids.device)
         # a wholly new sequence attends to its own fresh K/V: the pages are only written, never read
         meta = AttentionMetadata(query_start_loc=[0, ids.numel()], seq_lens=[ids.numel()], block_tables=None,
@@ -64,20 +73,37 @@ class SegmentPrefill:
 
     @property
     def position_offset(self) -> int:
-        return 0 if self.bos_token_id is None else 1
+        return len(self.context_ids)
 
 
+SEGMENT_CONTEXTS = ("alone", "prefix")
+
+
+@dataclass(frozen=True)
 class PICBackend(ABC):
-    """Subclasses are frozen dataclasses whose fields are the algorithm's options."""
+    """Subclasses are frozen dataclasses whose fields are the algorithm's options.
+
+    ``context`` (every backend): what a segment is prefilled behind when it is cached. ``alone``: nothing (or the
+    model's BOS); ``prefix``: the request's tokens before its first PIC segment (system prompt, chat header), so
+    the cached K/V carries that prefix's attention sink and its positions; such entries are keyed by the prefix
+    too (``PICExecutor.segment_key``), and a request behind another prefix prefills its own."""
 
     name: ClassVar[str]
+    context: str = "alone"
     handles_linear_attention: ClassVar[bool] = False
     exact_settings: ClassVar[Mapping[str, Any]] = {}  # options under which combine == plain prefill
 
+    def __post_init__(self) -> None:
+        if self.context not in SEGMENT_CONTEXTS:
+            raise ValueError(f"{self.name}: context must be one of {', '.join(SEGMENT_CONTEXTS)}, "
+                             f"got {self.context!r}")
+
     @property
     def spec(self) -> str:
-        """``name:option=value,...``: parses back to an equal backend with ``get_pic_backend``."""
-        options = ",".join(f"{f.name}={_format(getattr(self, f.name))}" for f in fields(self))
+        """``name:option=value,...``: parses back to an equal backend with ``get_pic_backend`` (``context`` only
+        when it is not the default ``alone``, so older specs and store manifests read the same)."""
+        options = ",".join(f"{f.name}={_format(getattr(self, f.name))}" for f in fields(self)
+                           if not (f.name == "context" and self.context == "alone"))
         return f"{self.name}:{options}" if options else self.name
 
     @property
@@ -86,6 +112,9 @@ class PICBackend(ABC):
         return "alone"
 
     def check_model(self, model: nn.Module) -> None:
+        if has_linear_attention(model) and self.context != "alone":
+            raise UnsupportedModelError(f"PIC backend {self.name!r}: context={self.context} is for attention-only "
+                                        f"models; {type(model).__name__} has linear-attention layers")
         if has_linear_attention(model) and not self.handles_linear_attention:
             raise UnsupportedModelError(
                 f"PIC backend {self.name!r} does not support models with linear-attention layers "

@@ -34,6 +34,7 @@ class HYPIC(PICBackend):
     exact_settings: ClassVar = {"seam": 1 << 30}
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not isinstance(self.seam, int) or self.seam < 1:
             raise ValueError(f"hypic: seam must be a positive integer, got {self.seam!r}")
 

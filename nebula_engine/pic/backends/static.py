@@ -50,6 +50,7 @@ class EPIC(StaticRowsBackend):
     exact_settings: ClassVar = {"k": 1 << 30}
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not isinstance(self.k, int) or self.k < 0:
             raise ValueError(f"epic: k must be a non-negative integer, got {self.k!r}")
 
