@@ -250,6 +250,13 @@ def main() -> None:
         hf = HFRunner(checkpoint)
         generate = HFGenerateRunner.__new__(HFGenerateRunner)
         generate.model = hf.model  # the same module: only the decode loop differs
+        print(f"{args.model or args.family}: hidden {config.hidden_size}, {config.num_hidden_layers} layers, "
+              f"{weights / 1e6:.1f} M matmul weights per token, fp32, {torch.get_num_threads()} threads; "
+              f"GEMM limit (2048^3) {limit:.1f} GFLOP/s", flush=True)
+
+        def fraction(tokens_per_s: float, context: float) -> str:
+            gflops = tokens_per_s * (2 * weights + attention * context) / 1e9
+            return f"{gflops:6.1f} GFLOP/s = {100 * gflops / limit:4.1f}% of limit"
 
         warm = random_prompts(1, 16, vocab, seed=0)
         for runner in (ours, hf, generate):
@@ -257,35 +264,26 @@ def main() -> None:
             runner.decode(warm, 2)
         prefill = best_of({"ours": ours, "hf": hf}, args.repeats,
                           lambda r, i: r.prefill(random_prompts(1, args.prompt_len, vocab, seed=1 + i)))
-        decode = {}
+        tokens, context = args.prompt_len, (args.prompt_len + 1) / 2  # causal: a token sees half on average
+        ours_rate, hf_rate = tokens / prefill["ours"], tokens / prefill["hf"]
+        print(f"prefill {tokens} tokens       ours {ours_rate:8.1f} tok/s ({fraction(ours_rate, context)})   "
+              f"HF {hf_rate:8.1f} tok/s ({fraction(hf_rate, context)})   ours/HF {ours_rate / hf_rate:.2f}x",
+              flush=True)
+        context = args.decode_prompt_len + args.decode_steps / 2
         for batch in args.decode_batches:
             runners = {"ours": ours, "hf-generate": generate} | ({"hf-forward": hf} if args.hf_forward else {})
-            decode[batch] = best_of(runners, args.repeats, lambda r, i: r.decode(
+            seconds = best_of(runners, args.repeats, lambda r, i: r.decode(
                 random_prompts(batch, args.decode_prompt_len, vocab, seed=100 + i), args.decode_steps))
-    limit = max(limit, gemm_gflops())  # the better of before and after: load from other processes varies
-
-    print(f"{args.model or args.family}: hidden {config.hidden_size}, {config.num_hidden_layers} layers, "
-          f"{weights / 1e6:.1f} M matmul weights per token, fp32, {torch.get_num_threads()} threads; "
-          f"GEMM limit (2048^3) {limit:.1f} GFLOP/s")
-
-    def fraction(tokens_per_s: float, context: float) -> str:
-        gflops = tokens_per_s * (2 * weights + attention * context) / 1e9
-        return f"{gflops:6.1f} GFLOP/s = {100 * gflops / limit:4.1f}% of limit"
-
-    tokens, context = args.prompt_len, (args.prompt_len + 1) / 2  # causal: a prompt token sees half on average
-    ours_rate, hf_rate = tokens / prefill["ours"], tokens / prefill["hf"]
-    print(f"prefill {tokens} tokens       ours {ours_rate:8.1f} tok/s ({fraction(ours_rate, context)})   "
-          f"HF {hf_rate:8.1f} tok/s ({fraction(hf_rate, context)})   ours/HF {ours_rate / hf_rate:.2f}x")
-    context = args.decode_prompt_len + args.decode_steps / 2
-    for batch, seconds in decode.items():
-        rates = {name: batch / step for name, step in seconds.items()}
-        line = (f"decode {batch:3d} x {args.decode_prompt_len} prompt   ours {rates['ours']:8.1f} tok/s "
-                f"({fraction(rates['ours'], context)})   HF generate {rates['hf-generate']:8.1f} tok/s "
-                f"({fraction(rates['hf-generate'], context)})   ours/HF generate "
-                f"{rates['ours'] / rates['hf-generate']:.2f}x")
-        if "hf-forward" in rates:
-            line += f"   HF forward {rates['hf-forward']:8.1f} tok/s, ours/HF forward {rates['ours'] / rates['hf-forward']:.2f}x"
-        print(line)
+            rates = {name: batch / step for name, step in seconds.items()}
+            line = (f"decode {batch:3d} x {args.decode_prompt_len} prompt   ours {rates['ours']:8.1f} tok/s "
+                    f"({fraction(rates['ours'], context)})   HF generate {rates['hf-generate']:8.1f} tok/s "
+                    f"({fraction(rates['hf-generate'], context)})   ours/HF generate "
+                    f"{rates['ours'] / rates['hf-generate']:.2f}x")
+            if "hf-forward" in rates:
+                line += (f"   HF forward {rates['hf-forward']:8.1f} tok/s, "
+                         f"ours/HF forward {rates['ours'] / rates['hf-forward']:.2f}x")
+            print(line, flush=True)
+    print(f"GEMM limit again at the end: {gemm_gflops():.1f} GFLOP/s (the machine's load changed by this much)")
 
 
 if __name__ == "__main__":
