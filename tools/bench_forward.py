@@ -53,6 +53,9 @@ def parse_args() -> argparse.Namespace:
                         help="also time transformers' bare forward loop for decode (no generate overhead)")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="cpu: this process's CPU time instead of wall time, for a machine others load "
+                             "(with --threads 1 it is the time the work takes when the core is ours)")
     return parser.parse_args()
 
 
@@ -219,10 +222,14 @@ def attention_flops_per_context_token(model) -> int:
     return sum(4 * m.num_heads * m.head_dim for m in model.attention_layers())
 
 
+CLOCK = {"wall": time.perf_counter, "cpu": time.process_time}
+clock = CLOCK["wall"]
+
+
 def timed(fn) -> float:
-    start = time.perf_counter()
+    start = clock()
     fn()
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def best_of(runners: dict, repeats: int, fn) -> dict[str, float]:
@@ -236,6 +243,8 @@ def best_of(runners: dict, repeats: int, fn) -> dict[str, float]:
 
 def main() -> None:
     args = parse_args()
+    global clock
+    clock = CLOCK[args.clock]
     if args.threads:
         torch.set_num_threads(args.threads)
     from nebula_engine.config import resolve_model
@@ -251,7 +260,8 @@ def main() -> None:
         generate = HFGenerateRunner.__new__(HFGenerateRunner)
         generate.model = hf.model  # the same module: only the decode loop differs
         print(f"{args.model or args.family}: hidden {config.hidden_size}, {config.num_hidden_layers} layers, "
-              f"{weights / 1e6:.1f} M matmul weights per token, fp32, {torch.get_num_threads()} threads; "
+              f"{weights / 1e6:.1f} M matmul weights per token, fp32, {torch.get_num_threads()} threads, "
+              f"{args.clock} clock; "
               f"GEMM limit (2048^3) {limit:.1f} GFLOP/s", flush=True)
 
         def fraction(tokens_per_s: float, context: float) -> str:
