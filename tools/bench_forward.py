@@ -1,15 +1,25 @@
-"""Prefill throughput and batched decode latency: our engine vs transformers, same weights, same process.
+"""Prefill and batched decode throughput: our engine vs transformers, same weights, same process, and both
+as a fraction of this machine's fp32 GEMM limit.
 
-Ours runs the real path (scheduler -> model runner -> paged KV cache -> sampler) through LLMEngine.step;
-transformers runs its bare forward with its own DynamicCache (built from the config, so Qwen3.5 gets its
-linear-attention state layers) and ``logits_to_keep=1`` (no generate overhead).
-Prints ratios ours/HF: >1 for prefill tokens/s means we are faster; <1 for decode latency means faster.
-Shapes scale with --hidden-size / --num-heads: DeepSeek-V2 is V2-Lite-shaped (R = hidden/4, Dn = Dv = head dim,
-Dr = head dim/2, latent cache), Qwen3.5 repeats 3 linear-attention layers + 1 full-attention layer.
+Ours runs the real path (scheduler -> model runner -> paged KV cache -> sampler) through LLMEngine.step.
+transformers runs ``generate`` (greedy, the same batch and new tokens: what its users call) and, for reference,
+its bare forward with its own DynamicCache and ``logits_to_keep=1`` (no generate overhead).
 
-    python tools/bench_forward.py --hidden-size 512 --num-layers 8 --prompt-len 1024 --batch-size 4
-    python tools/bench_forward.py --family deepseek_v2 --hidden-size 256 --num-layers 4 --prompt-len 256
-    python tools/bench_forward.py --model smollm2 --prompt-len 512 --batch-size 1   # a real model, as it is
+- prefill: one prompt of --prompt-len tokens, tokens/s (ours: the engine step that prefills and samples);
+- decode: --decode-batches concurrent requests of --decode-prompt-len tokens, --decode-steps new tokens each,
+  tokens/s of the decode steps (transformers ``generate``: generate(N+1) - generate(1) over N tokens);
+- limit: a 2048³ fp32 matmul with the same threads, GFLOP/s. A figure's fraction of it counts 2 FLOPs per
+  weight a token multiplies (the matmul weights; MoE: the experts a token uses) plus 4·H·D per context token
+  per attention layer (QK and PV). Linear-attention recurrences and MLA's latent attention are left out.
+
+Prints ratios ours/HF (> 1: we are faster). Runners alternate repeat by repeat and the best repeat counts, so
+load from other processes hits both sides alike. Shapes scale with --hidden-size / --num-heads: DeepSeek-V2
+is V2-Lite-shaped (R = hidden/4, Dn = Dv = head dim, Dr = head dim/2, latent cache), Qwen3.5 repeats 3
+linear-attention layers + 1 full-attention layer.
+
+    python tools/bench_forward.py                                   # random Mistral, hidden 512, 8 layers
+    python tools/bench_forward.py --family deepseek_v2 --hidden-size 256 --num-layers 4
+    python tools/bench_forward.py --model smollm2 --threads 2       # a real model, as it is
 """
 
 from __future__ import annotations
@@ -33,12 +43,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--num-layers", type=int, default=8)
     parser.add_argument("--num-heads", type=int, default=8)
     parser.add_argument("--num-kv-heads", type=int, default=2)
-    parser.add_argument("--prompt-len", type=int, default=1024)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--decode-steps", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3, help="prefill measurements (median is reported)")
+    parser.add_argument("--prompt-len", type=int, default=1024, help="prefill: tokens of the one prompt")
+    parser.add_argument("--decode-batches", type=int, nargs="+", default=[1, 8, 32],
+                        help="decode: concurrent requests, one measurement each")
+    parser.add_argument("--decode-prompt-len", type=int, default=128, help="decode: prompt tokens per request")
+    parser.add_argument("--decode-steps", type=int, default=16, help="decode: new tokens per request measured")
+    parser.add_argument("--repeats", type=int, default=2, help="measurements per figure (the best counts)")
+    parser.add_argument("--hf-forward", action="store_true",
+                        help="also time transformers' bare forward loop for decode (no generate overhead)")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="cpu: this process's CPU time instead of wall time, for a machine others load "
+                             "(with --threads 1 it is the time the work takes when the core is ours)")
     return parser.parse_args()
 
 
@@ -71,14 +88,15 @@ def make_checkpoint(args: argparse.Namespace, out_dir: str) -> str:
     settings = dict(hidden_size=args.hidden_size, num_hidden_layers=args.num_layers,
                     num_attention_heads=args.num_heads, num_key_value_heads=args.num_kv_heads,
                     head_dim=args.hidden_size // args.num_heads, intermediate_size=int(3.5 * args.hidden_size),
-                    max_position_embeddings=max(4096, 2 * (args.prompt_len + args.decode_steps)),
+                    max_position_embeddings=max(4096, 2 * (args.prompt_len + args.decode_prompt_len
+                                                           + args.decode_steps)),
                     initializer_range=0.02)
     return str(make_tiny_checkpoint(args.family, out_dir, **{**settings, **family_overrides(args)}))
 
 
-def random_prompts(args: argparse.Namespace, vocab_size: int, seed: int) -> torch.Tensor:
+def random_prompts(batch: int, length: int, vocab_size: int, seed: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab_size, (args.batch_size, args.prompt_len), generator=generator)
+    return torch.randint(0, vocab_size, (batch, length), generator=generator)
 
 
 class OursRunner:
@@ -86,29 +104,43 @@ class OursRunner:
         from nebula_engine.config import EngineConfig
         from nebula_engine.engine.llm_engine import LLMEngine
 
-        tokens_needed = args.batch_size * (args.prompt_len + args.decode_steps + 1)
+        batch = max(args.decode_batches)
+        decode_tokens = batch * (args.decode_prompt_len + args.decode_steps + 1)
+        pages = -(-max(decode_tokens, args.prompt_len + 1) // args.page_size) + batch
         self.engine = LLMEngine(EngineConfig.create(
-            checkpoint, page_size=args.page_size, num_pages=-(-tokens_needed // args.page_size) + args.batch_size,
-            max_num_seqs=args.batch_size, max_num_batched_tokens=args.batch_size * args.prompt_len))
-        self.decode_steps = args.decode_steps
+            checkpoint, page_size=args.page_size, num_pages=pages, max_num_seqs=batch,
+            max_num_batched_tokens=max(args.prompt_len, batch * args.decode_prompt_len)))
         self._next_id = 0
 
-    def run(self, prompts: torch.Tensor) -> tuple[float, list[float]]:
-        """(prefill seconds, per-step decode seconds) for one batch."""
+    def _add(self, prompts: torch.Tensor, max_tokens: int) -> None:
         from nebula_engine import SamplingParams
 
-        params = SamplingParams(max_tokens=self.decode_steps + 1, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         for row in prompts.tolist():
             self.engine.add_request(str(self._next_id), row, params)
             self._next_id += 1
-        prefill = timed(self.engine.step)
-        decode = [timed(self.engine.step) for _ in range(self.decode_steps)]
+
+    def prefill(self, prompts: torch.Tensor) -> float:
+        """Seconds of the step that prefills ``prompts`` [B, L] (in one step: the token budget fits them)."""
+        self._add(prompts, max_tokens=1)
+        seconds = timed(self.engine.step)
         assert not self.engine.has_unfinished_requests()
-        return prefill, decode
+        return seconds
+
+    def decode(self, prompts: torch.Tensor, steps: int) -> float:
+        """Seconds per decode step (median) of ``prompts`` [B, L] decoding together."""
+        self._add(prompts, max_tokens=steps + 1)
+        self.engine.step()  # the prefill and first token
+        seconds = [timed(self.engine.step) for _ in range(steps)]
+        assert not self.engine.has_unfinished_requests()
+        return statistics.median(seconds)
 
 
 class HFRunner:
-    def __init__(self, checkpoint: str, decode_steps: int):
+    """transformers' bare forward with its DynamicCache (built from the config, so Qwen3.5 gets its
+    linear-attention state layers) and ``logits_to_keep=1``."""
+
+    def __init__(self, checkpoint: str):
         from transformers import AutoModelForCausalLM
 
         path = Path(checkpoint)
@@ -117,35 +149,42 @@ class HFRunner:
         else:
             self.model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
         self.model.eval()
-        self.decode_steps = decode_steps
 
     @torch.inference_mode()
-    def run(self, prompts: torch.Tensor) -> tuple[float, list[float]]:
+    def prefill(self, prompts: torch.Tensor) -> float:
+        from transformers import DynamicCache
+
+        def run():
+            out = self.model(prompts, cache=DynamicCache(config=self.model.config), use_cache=True,
+                             logits_to_keep=1)
+            out.logits[:, -1].argmax(-1)
+
+        return timed(run)
+
+    @torch.inference_mode()
+    def decode(self, prompts: torch.Tensor, steps: int) -> float:
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
-        state = {}
+        state = {"next": prompts}
 
-        def prefill():
-            out = self.model(prompts, cache=cache, use_cache=True, logits_to_keep=1)
-            state["next"] = out.logits[:, -1].argmax(-1, keepdim=True)
-
-        def decode():
+        def forward():
             out = self.model(state["next"], cache=cache, use_cache=True, logits_to_keep=1)
             state["next"] = out.logits[:, -1].argmax(-1, keepdim=True)
 
-        return timed(prefill), [timed(decode) for _ in range(self.decode_steps)]
+        forward()  # the prefill
+        return statistics.median(timed(forward) for _ in range(steps))
 
 
 class HFGenerateRunner(HFRunner):
-    """transformers' ``generate`` (what its users call): per-token decode time from two runs.
+    """transformers' ``generate``: per-step decode time from two runs.
 
-    generate(N+1 tokens) - generate(1 token) leaves the N decode steps with all of generate's
-    per-step work (logits processing, stopping criteria, cache updates).
+    generate(N+1 tokens) - generate(1 token) leaves the N decode steps with all of generate's per-step work
+    (logits processing, stopping criteria, cache updates).
     """
 
     @torch.inference_mode()
-    def run(self, prompts: torch.Tensor) -> tuple[float, list[float]]:
+    def decode(self, prompts: torch.Tensor, steps: int) -> float:
         mask = torch.ones_like(prompts)
 
         def generate(new_tokens: int):
@@ -153,59 +192,108 @@ class HFGenerateRunner(HFRunner):
                                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
 
         first = timed(lambda: generate(1))
-        total = timed(lambda: generate(self.decode_steps + 1))
-        return first, [(total - first) / self.decode_steps] * self.decode_steps
+        total = timed(lambda: generate(steps + 1))
+        return (total - first) / steps
+
+
+def gemm_gflops(size: int = 2048, repeats: int = 5) -> float:
+    """The machine's practical fp32 limit: the best of ``repeats`` size³ matmuls, GFLOP/s."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    torch.mm(a, b)
+    return 2 * size**3 / min(timed(lambda: torch.mm(a, b)) for _ in range(repeats)) / 1e9
+
+
+def matmul_weights_per_token(model: torch.nn.Module) -> int:
+    """Weights one token multiplies: every linear layer's, MoE experts scaled to the top-k a token uses."""
+    from nebula_engine.model.layers import SparseMoE
+
+    experts = {id(p): m for m in model.modules() if isinstance(m, SparseMoE) for p in m.experts.parameters()}
+    total = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            total += module.weight.numel()
+    for module in {id(m): m for m in experts.values()}.values():
+        total += sum(p.numel() for p in module.experts.parameters()) * module.top_k // module.experts.num_experts
+    return total
+
+
+def attention_flops_per_context_token(model) -> int:
+    """QK and PV: 2 FLOPs each per head dim per head per attention layer, for each context token seen."""
+    return sum(4 * m.num_heads * m.head_dim for m in model.attention_layers())
+
+
+CLOCK = {"wall": time.perf_counter, "cpu": time.process_time}
+clock = CLOCK["wall"]
 
 
 def timed(fn) -> float:
-    start = time.perf_counter()
+    start = clock()
     fn()
-    return time.perf_counter() - start
+    return clock() - start
 
 
-def measure(runners: dict, args: argparse.Namespace, vocab_size: int) -> dict[str, tuple[float, float]]:
-    """name -> (best prefill seconds, best per-batch median decode step seconds).
-
-    Runners alternate batch by batch and the best batch counts, so load from other processes on
-    the machine hits both sides alike instead of skewing the ratio.
-    """
-    for runner in runners.values():
-        runner.run(random_prompts(args, vocab_size, seed=0))  # warm-up
-    best = {name: (float("inf"), float("inf")) for name in runners}
-    for repeat in range(args.repeats):
-        prompts = random_prompts(args, vocab_size, seed=1 + repeat)
+def best_of(runners: dict, repeats: int, fn) -> dict[str, float]:
+    """name -> the least seconds of ``fn(runner, repeat)`` over ``repeats``, runners alternating."""
+    best = dict.fromkeys(runners, float("inf"))
+    for repeat in range(repeats):
         for name, runner in runners.items():
-            prefill, decode = runner.run(prompts)
-            best[name] = (min(best[name][0], prefill), min(best[name][1], statistics.median(decode)))
+            best[name] = min(best[name], fn(runner, repeat))
     return best
 
 
 def main() -> None:
     args = parse_args()
+    global clock
+    clock = CLOCK[args.clock]
     if args.threads:
         torch.set_num_threads(args.threads)
     from nebula_engine.config import resolve_model
 
+    limit = gemm_gflops()
     with tempfile.TemporaryDirectory(prefix="nebula-bench-") as tmp:
         checkpoint = resolve_model(args.model) if args.model else make_checkpoint(args, tmp)
         ours = OursRunner(checkpoint, args)
-        config = ours.engine.model_config
-        vocab_size = config.vocab_size
-        runners = {"ours": ours, "hf": HFRunner(checkpoint, args.decode_steps),
-                   "hf-generate": HFGenerateRunner(checkpoint, args.decode_steps)}
-        best = measure(runners, args, vocab_size)
-    (ours_prefill, ours_decode), (hf_prefill, hf_decode) = best["ours"], best["hf"]
-    generate_decode = best["hf-generate"][1]
-    tokens = args.batch_size * args.prompt_len
-    print(f"{args.model or args.family}: hidden {config.hidden_size}, {config.num_hidden_layers} layers, "
-          f"batch {args.batch_size} x "
-          f"{args.prompt_len} prompt tokens, {args.decode_steps} decode steps, fp32, {torch.get_num_threads()} threads")
-    print(f"prefill tok/s     ours {tokens / ours_prefill:10.1f}   HF {tokens / hf_prefill:10.1f}   "
-          f"ratio ours/HF {hf_prefill / ours_prefill:.2f}x")
-    print(f"decode ms/step    ours {1e3 * ours_decode:10.2f}   HF {1e3 * hf_decode:10.2f}   "
-          f"ratio ours/HF {ours_decode / hf_decode:.2f}x (lower is faster; HF = bare forward + argmax loop)")
-    print(f"decode ms/step    ours {1e3 * ours_decode:10.2f}   HF generate {1e3 * generate_decode:7.2f}   "
-          f"ratio ours/HF {ours_decode / generate_decode:.2f}x (lower is faster)")
+        model, config = ours.engine.model_runner.model, ours.engine.model_config
+        vocab = config.vocab_size
+        weights, attention = matmul_weights_per_token(model), attention_flops_per_context_token(model)
+        hf = HFRunner(checkpoint)
+        generate = HFGenerateRunner.__new__(HFGenerateRunner)
+        generate.model = hf.model  # the same module: only the decode loop differs
+        print(f"{args.model or args.family}: hidden {config.hidden_size}, {config.num_hidden_layers} layers, "
+              f"{weights / 1e6:.1f} M matmul weights per token, fp32, {torch.get_num_threads()} threads, "
+              f"{args.clock} clock; "
+              f"GEMM limit (2048^3) {limit:.1f} GFLOP/s", flush=True)
+
+        def fraction(tokens_per_s: float, context: float) -> str:
+            gflops = tokens_per_s * (2 * weights + attention * context) / 1e9
+            return f"{gflops:6.1f} GFLOP/s = {100 * gflops / limit:4.1f}% of limit"
+
+        warm = random_prompts(1, 16, vocab, seed=0)
+        for runner in (ours, hf, generate):
+            runner.prefill(warm)
+            runner.decode(warm, 2)
+        prefill = best_of({"ours": ours, "hf": hf}, args.repeats,
+                          lambda r, i: r.prefill(random_prompts(1, args.prompt_len, vocab, seed=1 + i)))
+        tokens, context = args.prompt_len, (args.prompt_len + 1) / 2  # causal: a token sees half on average
+        ours_rate, hf_rate = tokens / prefill["ours"], tokens / prefill["hf"]
+        print(f"prefill {tokens} tokens       ours {ours_rate:8.1f} tok/s ({fraction(ours_rate, context)})   "
+              f"HF {hf_rate:8.1f} tok/s ({fraction(hf_rate, context)})   ours/HF {ours_rate / hf_rate:.2f}x",
+              flush=True)
+        context = args.decode_prompt_len + args.decode_steps / 2
+        for batch in args.decode_batches:
+            runners = {"ours": ours, "hf-generate": generate} | ({"hf-forward": hf} if args.hf_forward else {})
+            seconds = best_of(runners, args.repeats, lambda r, i: r.decode(
+                random_prompts(batch, args.decode_prompt_len, vocab, seed=100 + i), args.decode_steps))
+            rates = {name: batch / step for name, step in seconds.items()}
+            line = (f"decode {batch:3d} x {args.decode_prompt_len} prompt   ours {rates['ours']:8.1f} tok/s "
+                    f"({fraction(rates['ours'], context)})   HF generate {rates['hf-generate']:8.1f} tok/s "
+                    f"({fraction(rates['hf-generate'], context)})   ours/HF generate "
+                    f"{rates['ours'] / rates['hf-generate']:.2f}x")
+            if "hf-forward" in rates:
+                line += (f"   HF forward {rates['hf-forward']:8.1f} tok/s, "
+                         f"ours/HF forward {rates['ours'] / rates['hf-forward']:.2f}x")
+            print(line, flush=True)
+    print(f"GEMM limit again at the end: {gemm_gflops():.1f} GFLOP/s (the machine's load changed by this much)")
 
 
 if __name__ == "__main__":

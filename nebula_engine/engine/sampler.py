@@ -116,15 +116,20 @@ class Sampler:
             logits = logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
         if not rows:
             return SamplerOutput([], [], failed, [])
-        logprobs = torch.log_softmax(logits, dim=-1)
+        raw = logits
         logits = self._process(logits, rows)
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(rows) if r.generator is not None]
         if random_rows:
             index = torch.tensor(random_rows, device=logits.device)
             tokens[index] = self._sample(logits[index], [rows[i] for i in random_rows])
-        chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
-        top = self._top_logprobs(logprobs, tokens, chosen, rows)
+        if any(r.params.logprobs is not None for r in rows):
+            logprobs = torch.log_softmax(raw, dim=-1)
+            chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
+            top = self._top_logprobs(logprobs, tokens, chosen, rows)
+        else:  # the sampled token's logprob needs one reduction per row, not a [n, V] log-softmax
+            chosen = raw.gather(1, tokens[:, None]).squeeze(1) - raw.logsumexp(dim=-1)
+            top = [None] * len(rows)
         return SamplerOutput(tokens.tolist(), chosen.tolist(), failed, top)
 
     # ---- per-row state ----

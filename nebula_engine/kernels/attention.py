@@ -14,7 +14,7 @@ K is stored post-RoPE. Token slot ``page * S + offset`` holds the token at ``off
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Sequence
 
@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 if TYPE_CHECKING:  # mla_attention builds on this module
     from nebula_engine.kernels.mla_attention import MLAAttentionBackend, MLAParams
+    from nebula_engine.model.rotary import RotaryEmbedding
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,15 @@ class AttentionMetadata:
         """Per sequence, how to read its cached context; built once per forward, shared by every layer."""
         return [ContextPlan.of(runs, length, self.page_size, self.block_tables.device)
                 for runs, length in zip(self.page_runs, self.seq_lens)]
+
+    @cached_property
+    def decode_batch(self) -> DecodeBatch | None:
+        """The sequences that add one token to a cached context, as one batch; built once per forward."""
+        if self.block_tables is None or self.query_positions is not None:
+            return None
+        starts = self.query_start_loc
+        seqs = [b for b in range(self.num_seqs) if starts[b + 1] - starts[b] == 1 and self.seq_lens[b] > 1]
+        return DecodeBatch.of(self, seqs) if seqs else None
 
     @classmethod
     def dense(cls, query_lens: Sequence[int]) -> AttentionMetadata:
@@ -141,6 +151,65 @@ class ContextPlan:
         return pieces
 
 
+@dataclass(frozen=True)
+class DecodeBatch:
+    """Decode sequences of a batch, read together: one gather of their context and one SDPA call per layer
+    instead of a Python loop over sequences (vLLM's paged decode kernel does the same in one launch).
+
+    Contexts are padded to the longest one. A padded key repeats the sequence's own last token and the mask
+    hides it: slots the sequence never wrote (a page's unused tail, a fresh pool's garbage, another request's
+    leftovers) are never read, since -inf plus a NaN read from them would still be NaN.
+    """
+
+    seqs: list[int]  # indices of the decode sequences in the batch
+    rows: torch.Tensor  # [Bd] their query row in the batch's tokens
+    slots: torch.Tensor  # [Bd * Lmax] cache slot of each (sequence, context position), padding clamped
+    seq_lens: torch.Tensor  # [Bd] context lengths
+    max_len: int
+    covers_batch: bool  # every row of the batch is a decode row, in order
+    _masks: dict[tuple[int | None, torch.dtype], torch.Tensor] = field(default_factory=dict, compare=False,
+                                                                      repr=False)
+
+    @classmethod
+    def of(cls, meta: AttentionMetadata, seqs: list[int]) -> DecodeBatch:
+        device = meta.block_tables.device
+        index = torch.tensor(seqs, device=device)
+        lengths = torch.tensor([meta.seq_lens[b] for b in seqs], device=device)
+        max_len = int(lengths.max())
+        positions = torch.minimum(torch.arange(max_len, device=device)[None, :], lengths[:, None] - 1)  # [Bd, Lmax]
+        pages = meta.block_tables.index_select(0, index).gather(1, positions // meta.page_size)
+        slots = (pages * meta.page_size + positions % meta.page_size).flatten()
+        rows = torch.tensor([meta.query_start_loc[b] for b in seqs], device=device)
+        return cls(seqs, rows, slots, lengths, max_len, len(seqs) == meta.query_start_loc[-1])
+
+    def mask(self, sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """[Bd, 1, 1, Lmax]: 0 at the keys each query sees, -inf elsewhere (built once per forward and window)."""
+        key = (sliding_window, dtype)
+        if key in self._masks:
+            return self._masks[key]
+        keys = torch.arange(self.max_len, device=self.seq_lens.device)[None, :]
+        visible = keys < self.seq_lens[:, None]
+        if sliding_window is not None:
+            visible &= keys >= self.seq_lens[:, None] - sliding_window
+        # additive in the queries' dtype: SDPA would convert a bool mask in every layer
+        additive = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
+        self._masks[key] = additive[:, None, None, :]
+        return self._masks[key]
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+               mask: torch.Tensor) -> torch.Tensor:
+        """q [Bd, H, D] (one token per sequence) -> [Bd, H, Dv]."""
+        batch = q.shape[0]
+        # [Bd, Hkv, Lmax, D] as a view of the gathered slots: SDPA takes the strides as they are
+        keys = k_cache.view(-1, *k_cache.shape[2:]).index_select(0, self.slots)
+        values = v_cache.view(-1, *v_cache.shape[2:]).index_select(0, self.slots)
+        keys = keys.view(batch, self.max_len, *k_cache.shape[2:]).transpose(1, 2)
+        values = values.view(batch, self.max_len, *v_cache.shape[2:]).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=mask, scale=scale,
+                                             enable_gqa=keys.shape[1] != q.shape[1])
+        return out[:, :, 0]
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: ContextPlan,
                      scale: float) -> torch.Tensor:
     """One query token q [1, H, D] over a sequence's cached context, read as ``plan`` says.
@@ -194,15 +263,29 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 
 class TorchPagedAttention(AttentionBackend):
-    """Reference backend: scatter new K/V into pages; decode reads pages in place, prefill gathers + SDPA."""
+    """Reference backend: scatter new K/V into pages; decode rows of several sequences in one batched call
+    (one sequence alone reads its pages in place), prefill gathers + SDPA per sequence."""
 
     name = "torch"
 
     def forward(self, q, k, v, kv_cache, meta, scale, sliding_window=None):
         if kv_cache is not None and meta.slot_mapping is not None:
             write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
-        out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+        decode = meta.decode_batch if kv_cache is not None else None
+        if decode is not None and len(decode.seqs) > 1:
+            batched = decode.attend(q if decode.covers_batch else q.index_select(0, decode.rows),
+                                    kv_cache[0], kv_cache[1], scale, decode.mask(sliding_window, q.dtype))
+            if decode.covers_batch:
+                return batched
+            out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+            out.index_copy_(0, decode.rows, batched)
+            done = set(decode.seqs)
+        else:
+            out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+            done = set()
         for b in range(meta.num_seqs):
+            if b in done:
+                continue
             start, end = meta.query_start_loc[b], meta.query_start_loc[b + 1]
             q_len, ctx_len = end - start, meta.seq_lens[b]
             if meta.query_positions is not None:
@@ -260,6 +343,15 @@ class AttentionContext:
     meta: AttentionMetadata
     kv_caches: Sequence[tuple[torch.Tensor, ...]] | None = None
     mla_backend: MLAAttentionBackend | None = None
+    # rotary cache key -> (positions, cos, sin): computed by the first layer of a forward, reused by the others
+    _rope: dict = field(default_factory=dict, repr=False)
+
+    def rope_cos_sin(self, rotary: RotaryEmbedding, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rotary.cos_sin(positions)``, computed once per forward for all layers with the same frequencies."""
+        cached = self._rope.get(rotary.cache_key)
+        if cached is None or cached[0] is not positions:  # the reference held keeps ``positions``' id unique
+            cached = self._rope[rotary.cache_key] = (positions, *rotary.cos_sin(positions))
+        return cached[1], cached[2]
 
     def attend(self, layer_idx: int, q, k, v, scale: float, sliding_window: int | None = None) -> torch.Tensor:
         cache = self.kv_caches[layer_idx] if self.kv_caches is not None else None

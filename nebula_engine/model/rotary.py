@@ -101,6 +101,8 @@ class RotaryEmbedding(nn.Module):
         self.style = rope.style
         inv_freq, self.attention_factor = rope_inv_freq(rope)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # equal keys give equal cos/sin: layers with the same frequencies share one computation per forward
+        self.cache_key = (tuple(inv_freq.tolist()), self.attention_factor)
 
     def _apply(self, fn, recurse=True):
         # model.to(bfloat16) must not round the frequencies: follow device moves, keep fp32
@@ -117,3 +119,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return apply_rotary(x, *self.cos_sin(positions), self.style)
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, H, D] rotated by cos/sin [T, r/2] of ``cos_sin``."""
+        return apply_rotary(x, cos, sin, self.style)

@@ -69,3 +69,50 @@ def test_sliding_window_sees_only_the_last_window_keys(q_len, ctx_len, window):
         k_seen, v_seen = k[list(keys)].repeat_interleave(2, 1), v[list(keys)].repeat_interleave(2, 1)
         probs = (torch.einsum("hd,lhd->hl", q[row], k_seen) * 0.4).softmax(-1)
         torch.testing.assert_close(ours[row], torch.einsum("hl,lhd->hd", probs, v_seen), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 3, 6])
+def test_batched_decode_rows_match_each_sequence_alone(window):
+    """Decode rows of several sequences (scattered pages, different lengths, a prefill chunk between them) read
+    in one batched call equal causal attention over each sequence's own gathered context."""
+    generator = torch.Generator().manual_seed(7)
+    heads, kv_heads, dim, v_dim = 6, 2, 8, 5
+    k_cache, v_cache = _cache(16, kv_heads, dim, v_dim, generator)
+    tables = torch.tensor([[3, 9, 1, 0], [12, 4, 0, 0], [5, 6, 7, 8], [2, 0, 0, 0]])
+    seq_lens, query_lens = [10, 5, 14, 2], [1, 1, 3, 1]  # sequence 2 is a prefill chunk, not decode
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    q = torch.randn(starts[-1], heads, dim, generator=generator)
+    meta = AttentionMetadata(starts, seq_lens, tables, None, PAGE_SIZE)
+    assert meta.decode_batch.seqs == [0, 1, 3] and not meta.decode_batch.covers_batch
+
+    unused_k, unused_v = torch.empty(starts[-1], kv_heads, dim), torch.empty(starts[-1], kv_heads, v_dim)  # no slots
+    out = TorchPagedAttention().forward(q, unused_k, unused_v, (k_cache, v_cache), meta, scale=0.3,
+                                        sliding_window=window)
+
+    for b, (start, end) in enumerate(zip(starts, starts[1:])):
+        k, v = gather_kv(k_cache, v_cache, tables[b], seq_lens[b])
+        expected = causal_attention(q[start:end], k, v, scale=0.3, sliding_window=window)
+        torch.testing.assert_close(out[start:end], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_batch_of_only_decode_rows_is_one_call_that_reads_no_slot_outside_the_contexts():
+    """Slots past a context (a page's unused tail, other pages) hold NaN, as garbage or a failed request's
+    leftovers can: the shorter sequence's padding must not read them."""
+    generator = torch.Generator().manual_seed(3)
+    k_cache, v_cache = _cache(10, 1, 4, 4, generator)
+    tables = torch.tensor([[4, 2, 8], [7, 0, 0]])
+    used = torch.zeros(10, PAGE_SIZE, dtype=torch.bool)
+    used[4], used[2], used[8, :3], used[7, :3] = True, True, True, True
+    k_cache[~used], v_cache[~used] = float("nan"), float("nan")
+    q = torch.randn(2, 3, 4, generator=generator)
+    meta = AttentionMetadata([0, 1, 2], [11, 3], tables, None, PAGE_SIZE)
+    assert meta.decode_batch.covers_batch
+
+    out = TorchPagedAttention().forward(q, torch.empty(2, 1, 4), torch.empty(2, 1, 4), (k_cache, v_cache), meta,
+                                        scale=0.5)
+
+    for b in range(2):
+        k, v = gather_kv(k_cache, v_cache, tables[b], meta.seq_lens[b])
+        torch.testing.assert_close(out[b:b + 1], causal_attention(q[b:b + 1], k, v, scale=0.5), atol=1e-5, rtol=1e-5)
