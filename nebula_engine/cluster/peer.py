@@ -91,11 +91,9 @@ class Peer:
         bytes_per_token = sum(t[0].numel() * t.element_size() for tensors in storage.layer_caches for t in tensors
                               ) // storage.page_size
         base = ClusterProfile.load()
-        # loopback NIXL moves ~1 GB/s. Reading a remote segment also costs a pin served between two of the holder's
-        # engine steps and an insert between two of ours: 91 ms from pin sent to segment stored (median of 12
-        # reads of cached segments, default compare, bench-qwen3, 4 one-thread peers on 2 cores, nothing else
-        # running at full priority); the planner pays it once per source (TransferCosts.latency)
-        loopback = TransferLink(bandwidth_bytes_per_s=1.0e9, latency_s=0.091)
+        # loopback NIXL moves ~1 GB/s; a read's fixed cost (pin and insert between engine steps) is the spec's
+        # remote_read_latency_s, paid once per source (TransferCosts.latency)
+        loopback = TransferLink(bandwidth_bytes_per_s=1.0e9, latency_s=self.spec.remote_read_latency_s)
         profile = replace(base, name="local-cpu", kv_bytes_per_token=max(1, bytes_per_token), intra_node=loopback,
                           inter_node=loopback, gpus_per_node=len(self.spec.peers),
                           cache_capacity_tokens=storage.num_pages * storage.page_size,

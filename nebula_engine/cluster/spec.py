@@ -55,8 +55,14 @@ class ClusterSpec:
     peers: tuple[PeerSpec, ...]
     policy: str = "nebula"
     etcd: str | None = None  # "host:port": etcd leases instead of the embedded Raft election
+    # the planner's fixed cost of reading KV from another peer, paid once per source: a pin served between two of
+    # the holder's engine steps and an insert between two of the reader's. 91 ms is the median from pin sent to
+    # segment stored, measured on the default compare (bench-qwen3, 4 one-thread peers on 2 cores; README)
+    remote_read_latency_s: float = 0.091
 
     def __post_init__(self) -> None:
+        if not self.remote_read_latency_s >= 0:
+            raise ValueError(f"remote_read_latency_s must be >= 0, got {self.remote_read_latency_s}")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown cluster policy {self.policy!r}; choose from {POLICIES}")
         if not any(p.role == "prefill" for p in self.peers):
@@ -84,12 +90,14 @@ class ClusterSpec:
         raise ValueError(f"no peer named {name!r} in the cluster spec; peers: {[p.name for p in self.peers]}")
 
     def to_json(self) -> str:
-        return json.dumps({"policy": self.policy, "etcd": self.etcd, "peers": [asdict(p) for p in self.peers]})
+        return json.dumps({"policy": self.policy, "etcd": self.etcd, "remote_read_latency_s": self.remote_read_latency_s,
+                           "peers": [asdict(p) for p in self.peers]})
 
     @classmethod
     def from_json(cls, text: str) -> ClusterSpec:
         data = json.loads(text)
-        return cls(tuple(PeerSpec(**p) for p in data["peers"]), data.get("policy", "nebula"), data.get("etcd"))
+        return cls(tuple(PeerSpec(**p) for p in data["peers"]), data.get("policy", "nebula"), data.get("etcd"),
+                   data.get("remote_read_latency_s", cls.remote_read_latency_s))
 
 
 @dataclass(frozen=True)

@@ -64,3 +64,14 @@ def test_the_spec_json_round_trips_with_and_without_an_http_host():
     del data["peers"][0]["http_host"]  # a spec written before the field existed
     assert ClusterSpec.from_json(json.dumps(data)).peers[0].url == "http://127.0.0.1:3"
     assert peer.url == "http://0.0.0.0:3" and not spec.spans_machines
+
+
+def test_the_spec_carries_the_planners_remote_read_latency():
+    peer = PeerSpec("p", "prefill", "127.0.0.1", 1, 2, 3, 0)
+    spec = ClusterSpec((peer,), remote_read_latency_s=0.25)
+    assert ClusterSpec.from_json(spec.to_json()).remote_read_latency_s == 0.25
+    data = json.loads(spec.to_json())
+    del data["remote_read_latency_s"]  # a spec written before the field existed: the measured default
+    assert ClusterSpec.from_json(json.dumps(data)).remote_read_latency_s == ClusterSpec.remote_read_latency_s
+    with pytest.raises(ValueError, match="remote_read_latency_s"):
+        ClusterSpec((peer,), remote_read_latency_s=-1.0)
