@@ -1,4 +1,4 @@
-"""Hand-built requests for the control-plane tests."""
+"""Hand-built requests for the control-plane tests, and a clock the tests move by hand."""
 
 from nebula_engine.workloads.request import Request, Segment, SegmentKind
 
@@ -19,3 +19,13 @@ def rag_requests(count: int, documents: int = 40, seed: int = 0) -> list[Request
         docs = [("I", f"doc{d}", 100 + 7 * d) for d in rng.sample(range(documents), 4)]
         out.append(request(f"r{i}", ("P", f"sys{i % 2}", 200), *docs, ("R", f"q{i}", 20)))
     return out
+
+
+class Clock:
+    """A clock that stands still until a test sets ``now``."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now

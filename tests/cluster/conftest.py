@@ -13,6 +13,8 @@ import urllib.request  # noqa: E402
 import pytest  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
+from tests.model_cases import checkpoint_factory  # noqa: E402,F401  (fixture of ``engine``)
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -135,3 +137,16 @@ def etcd_tls(tmp_path):
     finally:
         process.kill()
         process.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint_factory):
+    """A running async engine on a tiny Qwen3 (4-token pages), for tests that play the other peers in-process."""
+    from nebula_engine.config import EngineConfig
+    from nebula_engine.engine.async_engine import AsyncLLMEngine
+    from tests.model_cases import CASES_BY_NAME
+
+    model = checkpoint_factory(CASES_BY_NAME["qwen3_gqa2_hd20"])
+    running = AsyncLLMEngine.from_config(EngineConfig.create(str(model), page_size=4, num_pages=256))
+    yield running
+    running.shutdown()

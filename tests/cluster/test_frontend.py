@@ -6,35 +6,18 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from builders import Clock
 
 from nebula_engine import SamplingParams
 from nebula_engine.cluster import wire
 from nebula_engine.cluster.frontend import ClusterFrontend
 from nebula_engine.cluster.liveness import Liveness
 from nebula_engine.cluster.worker import output_to_wire, params_from_wire
-from nebula_engine.config import EngineConfig
 from nebula_engine.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineError
 from nebula_engine.engine.tokenizer import IncrementalDetokenizer
-from tests.model_cases import CASES_BY_NAME, checkpoint_factory  # noqa: F401  (fixture)
 
 PEERS = ["front", "prefill-0", "prefill-1", "decode-0"]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-
-
-class Clock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture(scope="module")
-def engine(checkpoint_factory):
-    model = checkpoint_factory(CASES_BY_NAME["qwen3_gqa2_hd20"])
-    running = AsyncLLMEngine.from_config(EngineConfig.create(str(model), page_size=4, num_pages=256))
-    yield running
-    running.shutdown()
 
 
 class Harness:

@@ -5,31 +5,13 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
+from builders import Clock
 
 from nebula_engine.cluster import wire
 from nebula_engine.cluster.liveness import Liveness
 from nebula_engine.cluster.worker import WorkerService
-from nebula_engine.config import EngineConfig
 from nebula_engine.engine.async_engine import AsyncLLMEngine
 from nebula_engine.pic.segments import PromptSegment, SegmentedPrompt, SegmentKind
-from tests.model_cases import CASES_BY_NAME, checkpoint_factory  # noqa: F401  (fixture)
-
-
-class Clock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture(scope="module")
-def engine(checkpoint_factory):
-    model = checkpoint_factory(CASES_BY_NAME["qwen3_gqa2_hd20"])
-    running = AsyncLLMEngine.from_config(EngineConfig.create(str(model), page_size=4, num_pages=64))
-    yield running
-    running.shutdown()
 
 
 def worker_with_dead_holder(engine: AsyncLLMEngine) -> tuple[WorkerService, list]:
