@@ -29,7 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
                 "Measure prefill, per-backend combine cost and KV transfer on this machine; write a profile JSON."),
     "serve": ("nebula_engine.server.commands:serve",
               "Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics."),
-    "simulate": ("nebula_engine.cluster.commands:simulate",
+    "simulate": ("nebula_engine.cluster.sim.commands:simulate",
                  "Simulate a prefill cluster replaying WORKLOAD with Poisson arrivals at --qps (or --load)."),
 }
 

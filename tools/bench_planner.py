@@ -19,9 +19,9 @@ import random
 import statistics
 import time
 
-from nebula_engine.cluster.config import ClusterProfile
-from nebula_engine.cluster.messages import Tier
-from nebula_engine.cluster.planner import GreedyPlanner, Hit, PlanningProblem, TransferCosts
+from nebula_engine.cluster.control.config import ClusterProfile
+from nebula_engine.cluster.control.messages import Tier
+from nebula_engine.cluster.control.planner import GreedyPlanner, Hit, PlanningProblem, TransferCosts
 
 PAPER_MS = {(256, 16): 0.32, (16, 256): 4.43}
 WARMUP, CALLS = 64, 1024

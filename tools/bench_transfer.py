@@ -19,7 +19,7 @@ import time
 import numpy as np
 import torch
 
-from nebula_engine.cluster.transfer import KVTransferAgent
+from nebula_engine.cluster.runtime.transfer import KVTransferAgent
 
 GIB = 1024**3
 

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nebula_engine.bench.cluster_compare import bench_model_dir  # noqa: E402
 from nebula_engine.bench.replay import PromptBuilder, poisson_offsets, prompt_scale  # noqa: E402
-from nebula_engine.cluster.launcher import LocalCluster, local_spec  # noqa: E402
+from nebula_engine.cluster.runtime.launcher import LocalCluster, local_spec  # noqa: E402
 from nebula_engine.workloads.registry import BUNDLED_DIR, load_workload  # noqa: E402
 
 SCENARIOS = ("none", "prefill", "decode", "leader", "two-of-three")

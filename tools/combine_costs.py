@@ -9,7 +9,7 @@ on each, and prints each backend's combine time over a plain prefill of the same
 the shipped profiles.
 
     python tools/combine_costs.py                 # prints the table
-    python tools/combine_costs.py --write         # and updates nebula_engine/cluster/profiles/*.json
+    python tools/combine_costs.py --write         # and updates nebula_engine/cluster/control/profiles/*.json
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ Qwen3.5-35B-A3B / HYPIC, tau-bench / Mistral-7B / EPIC, ChatDev / Qwen3-30B-A3B 
 the KV hand-off to the decode worker, each run from a cold cluster.
 
 Rates (point 7): the paper's rate grids keep their spacing but are rescaled per trace and profile so that the
-top rate offers the prefix-caching baseline exactly its simulated prefill capacity (cluster/loads.py): the
+top rate offers the prefix-caching baseline exactly its simulated prefill capacity (cluster/sim/loads.py): the
 paper's own baseline queues at the top of every grid (P50 TTFT 2.7-76 s against Nebula's 0.18-0.79 s).
 
 Ablations (Figs. 14-16) run at the top rate with a device pool per worker of a quarter of the slice's distinct
@@ -27,9 +27,9 @@ from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
-from nebula_engine.cluster.config import ClusterConfig, ClusterProfile
-from nebula_engine.cluster.loads import pc_capacity_rps, rate_grid
-from nebula_engine.cluster.sim import SimulationConfig, simulate
+from nebula_engine.cluster.control.config import ClusterConfig, ClusterProfile
+from nebula_engine.cluster.sim.loads import pc_capacity_rps, rate_grid
+from nebula_engine.cluster.sim.simulator import SimulationConfig, simulate
 from nebula_engine.workloads import load_workload, reuse_stats
 
 WORKERS = 7
@@ -258,10 +258,10 @@ def preamble(args) -> str:
         "# Nebula reproduction (simulator)\n\n"
         f"`python tools/reproduce_paper.py --headline --limit {args.limit}`: {args.limit} requests per run (trace order, "
         f"Poisson arrivals), {WORKERS} prefill + 1 decode workers, first token after the hand-off to the decode worker. "
-        "Profiles: `nebula_engine/cluster/profiles/` (throughput from public model and H20 specs; combine cost per "
+        "Profiles: `nebula_engine/cluster/control/profiles/` (throughput from public model and H20 specs; combine cost per "
         "PIC backend measured, `tools/combine_costs.py`). Rates: the paper's grid per trace, rescaled so its top rate "
         f"offers the prefix-caching baseline {args.top_load:g} x its simulated prefill capacity "
-        "(`nebula_engine/cluster/loads.py`). 'paper' columns quote the paper's text; '-' where it gives none.\n\n")
+        "(`nebula_engine/cluster/sim/loads.py`). 'paper' columns quote the paper's text; '-' where it gives none.\n\n")
 
 
 def main() -> None:

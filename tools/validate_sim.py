@@ -20,8 +20,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from nebula_engine.bench.replay import PromptBuilder, poisson_offsets, prompt_scale
-from nebula_engine.cluster.config import ClusterConfig, ClusterProfile
-from nebula_engine.cluster.sim import SimulationConfig, simulate
+from nebula_engine.cluster.control.config import ClusterConfig, ClusterProfile
+from nebula_engine.cluster.sim.simulator import SimulationConfig, simulate
 from nebula_engine.workloads import load_workload
 from nebula_engine.workloads.request import Request, Segment
 

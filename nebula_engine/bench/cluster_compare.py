@@ -23,8 +23,8 @@ import click
 from nebula_engine.bench.progress import Progress
 from nebula_engine.bench.replay import ReplayOptions, as_sent, replay
 from nebula_engine.bench.report import summarize
-from nebula_engine.cluster.launcher import LocalCluster, local_spec
-from nebula_engine.cluster.spec import PeerSettings
+from nebula_engine.cluster.runtime.launcher import LocalCluster, local_spec
+from nebula_engine.cluster.runtime.spec import PeerSettings
 from nebula_engine.workloads.analysis import reuse_stats
 from nebula_engine.workloads.registry import load_workload
 

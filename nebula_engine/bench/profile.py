@@ -32,7 +32,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from nebula_engine.cluster.config import ClusterProfile, PrefillTimeModel, TransferLink
+from nebula_engine.cluster.control.config import ClusterProfile, PrefillTimeModel, TransferLink
 
 ATTENTION_BACKENDS = ("full", "naive", "epic", "cacheblend", "a3")
 HYBRID_BACKENDS = ("hypic",)
@@ -199,7 +199,7 @@ def make_pool(shapes: list[tuple[tuple[int, ...], str]], num_pages: int) -> list
 
 def serve_pool(conn, shapes, num_pages: int) -> None:
     """Source process: a pool of the engine's layout behind a NIXL agent, until told to stop."""
-    from nebula_engine.cluster.transfer import KVTransferAgent
+    from nebula_engine.cluster.runtime.transfer import KVTransferAgent
 
     with KVTransferAgent("profile-source", make_pool(shapes, num_pages)) as agent:
         conn.send(agent.metadata())
@@ -208,7 +208,7 @@ def serve_pool(conn, shapes, num_pages: int) -> None:
 
 def measure_nixl(shapes, num_pages: int, repeats: int) -> list[tuple[int, float]]:
     """(pages, best seconds) of page-scattered NIXL reads from another process over loopback."""
-    from nebula_engine.cluster.transfer import KVTransferAgent
+    from nebula_engine.cluster.runtime.transfer import KVTransferAgent
 
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
@@ -301,7 +301,7 @@ def measure_disk_load(probe: EngineProbe) -> list[tuple[int, float]]:
 
 # ---- the profile -----------------------------------------------------------------------------------
 def measure_transfer(probe: EngineProbe) -> tuple[str, list[tuple[int, float]]]:
-    from nebula_engine.cluster.transfer import nixl_available
+    from nebula_engine.cluster.runtime.transfer import nixl_available
 
     mode = probe.options.transfer
     if mode == "nixl" and not nixl_available():

@@ -1,13 +1,16 @@
-"""Cluster control plane (pure logic) and its discrete-event simulator.
+"""Cluster mode: many engines sharing one position-independent KV cache (paper §4–§7).
 
-messages (events, plans) -> view (§5) -> cache_manager (§6) -> planner / schedulers (§7) -> policies
--> control_plane (what the router runs) -> sim (the same control plane over simulated workers: worker_cache,
-sim_hardware, sim_report; loads expresses arrival rates against a simulated cluster's capacity).
+Three sub-packages, each importable on its own:
+
+- ``control``: the pure control plane the router and the simulator share. Cache events and plans
+  (``messages``) feed the cluster view (§5), the cache manager (§6), the planner and schedulers (§7) and
+  the policies; ``control_plane`` is what a router runs per request. No I/O, no threads, no engine.
+- ``sim``: a discrete-event simulator that runs that same control plane over modelled workers, links and
+  caches (``worker_cache``, ``hardware``), with arrival rates expressed against simulated capacity.
+- ``runtime``: the real cluster. Peers (``peer``) with a ZMQ transport, NIXL transfers, Raft election,
+  the router, workers that drive an engine through ``engine.cluster_port``, and the OpenAI front end.
+
+The dependency rule (tested in ``tests/test_dependency_rule.py``): ``sim`` and ``runtime`` import
+``control``; ``control`` imports neither, nor ``workloads``, the engine or the server; ``sim`` and ``runtime``
+never import each other.
 """
-
-from nebula_engine.cluster.config import ClusterConfig, ClusterProfile, ViewConfig
-from nebula_engine.cluster.control_plane import ControlPlane, Decision
-from nebula_engine.cluster.sim import SimulationConfig, simulate
-
-__all__ = ["ClusterConfig", "ClusterProfile", "ControlPlane", "Decision", "SimulationConfig", "ViewConfig",
-           "simulate"]

@@ -135,9 +135,9 @@ def _peer_settings(api_key, max_request_bytes, cluster_secret, cluster_secret_fi
                    etcd_cert, etcd_key, etcd_user):
     import os
 
-    from nebula_engine.cluster.auth import cluster_secret as read_cluster_secret
-    from nebula_engine.cluster.election import ETCD_PASSWORD_ENV, EtcdAccess
-    from nebula_engine.cluster.spec import PeerSettings
+    from nebula_engine.cluster.runtime.auth import cluster_secret as read_cluster_secret
+    from nebula_engine.cluster.runtime.election import ETCD_PASSWORD_ENV, EtcdAccess
+    from nebula_engine.cluster.runtime.spec import PeerSettings
 
     try:
         secret = read_cluster_secret(flag=cluster_secret, file=cluster_secret_file)
@@ -171,10 +171,10 @@ def _serve_cluster(model, served_model_name, host, port, log_level, prefill_work
 
     from dataclasses import replace
 
-    from nebula_engine.cluster.auth import SecretError
-    from nebula_engine.cluster.launcher import LocalCluster, local_spec
-    from nebula_engine.cluster.peer import Peer
-    from nebula_engine.cluster.spec import ClusterSpec
+    from nebula_engine.cluster.runtime.auth import SecretError
+    from nebula_engine.cluster.runtime.launcher import LocalCluster, local_spec
+    from nebula_engine.cluster.runtime.peer import Peer
+    from nebula_engine.cluster.runtime.spec import ClusterSpec
     from nebula_engine.config import DEFAULT_MODEL, resolve_model
 
     options = {k: v for k, v in engine_options.items() if v is not None}

@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from nebula_engine.bench.cluster_compare import POLICIES, compare_command
-from nebula_engine.cluster.transfer import nixl_available
+from nebula_engine.cluster.runtime.transfer import nixl_available
 from tests.model_cases import CASES_BY_NAME, checkpoint_factory  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed")

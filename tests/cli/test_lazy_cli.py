@@ -77,7 +77,7 @@ def test_a_command_that_imports_a_missing_extra_when_it_runs_says_which_in_one_l
 
 
 def test_the_cluster_transport_names_the_cluster_extra():
-    result = blocked(("zmq",), "import nebula_engine.cluster.transport")
+    result = blocked(("zmq",), "import nebula_engine.cluster.runtime.transport")
     assert result.returncode == 1
     assert "MissingExtra: zmq is not installed: pip install 'nebula-engine[cluster]'" in result.stderr
 

@@ -5,7 +5,7 @@ import socket
 import pytest
 from click.testing import CliRunner
 
-from nebula_engine.cluster.spec import ClusterSpec, PeerSpec
+from nebula_engine.cluster.runtime.spec import ClusterSpec, PeerSpec
 from nebula_engine.ports import PortUnavailable, check_listen
 from nebula_engine.server.commands import serve
 

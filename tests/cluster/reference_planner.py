@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from nebula_engine.cluster.planner import GreedyPlan, PlanningProblem, TransferCosts, estimate, hit_source
+from nebula_engine.cluster.control.planner import GreedyPlan, PlanningProblem, TransferCosts, estimate, hit_source
 
 
 def reference_plan(problem: PlanningProblem, costs: TransferCosts, rng: random.Random) -> GreedyPlan:

@@ -1,10 +1,10 @@
 import pytest
 
 from builders import request
-from nebula_engine.cluster.cache_manager import CacheManager
-from nebula_engine.cluster.config import CacheManagerConfig
-from nebula_engine.cluster.messages import CacheKind, Tier
-from nebula_engine.cluster.request_keys import RequestKeys
+from nebula_engine.cluster.control.cache_manager import CacheManager
+from nebula_engine.cluster.control.config import CacheManagerConfig
+from nebula_engine.cluster.control.messages import CacheKind, Tier
+from nebula_engine.cluster.control.request_keys import RequestKeys
 
 PC, PIC = CacheKind.PC, CacheKind.PIC
 DEVICE, HOST = Tier.DEVICE, Tier.HOST

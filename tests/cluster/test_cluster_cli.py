@@ -7,7 +7,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from nebula_engine.cluster.spec import ClusterSpec, PeerSettings, PeerSpec, check_secured
+from nebula_engine.cluster.runtime.spec import ClusterSpec, PeerSettings, PeerSpec, check_secured
 from nebula_engine.server.commands import serve
 
 

@@ -17,11 +17,11 @@ import pytest
 import zmq
 
 from nebula_engine import LLM
-from nebula_engine.cluster import wire
-from nebula_engine.cluster.auth import FrameSealer, new_secret
-from nebula_engine.cluster.launcher import LocalCluster, local_spec
-from nebula_engine.cluster.spec import PeerSettings
-from nebula_engine.cluster.transfer import nixl_available
+from nebula_engine.cluster.runtime import wire
+from nebula_engine.cluster.runtime.auth import FrameSealer, new_secret
+from nebula_engine.cluster.runtime.launcher import LocalCluster, local_spec
+from nebula_engine.cluster.runtime.spec import PeerSettings
+from nebula_engine.cluster.runtime.transfer import nixl_available
 from nebula_engine.engine.sampling_params import SamplingParams
 from tests.cluster.probes import listening_sockets, payloads, send_to_all
 from tests.model_cases import CASES_BY_NAME, checkpoint_factory  # noqa: F401  (fixture)

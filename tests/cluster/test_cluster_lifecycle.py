@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from nebula_engine.cluster.launcher import LocalCluster, local_spec
-from nebula_engine.cluster.spec import PeerSettings
-from nebula_engine.cluster.transfer import nixl_available
+from nebula_engine.cluster.runtime.launcher import LocalCluster, local_spec
+from nebula_engine.cluster.runtime.spec import PeerSettings
+from nebula_engine.cluster.runtime.transfer import nixl_available
 from tests.cluster.test_cluster_e2e import ENGINE, completion, documents, post, rag_segments
 from tests.model_cases import CASES_BY_NAME, checkpoint_factory  # noqa: F401  (fixture)
 

@@ -3,7 +3,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from nebula_engine.cluster.commands import simulate
+from nebula_engine.cluster.sim.commands import simulate
 from nebula_engine.workloads.registry import BUNDLED_DIR
 
 
@@ -33,7 +33,7 @@ def test_load_sets_the_rate_against_the_prefix_caching_capacity():
 def test_a_measured_profile_file_is_read(tmp_path):
     from dataclasses import replace
 
-    from nebula_engine.cluster.config import ClusterProfile
+    from nebula_engine.cluster.control.config import ClusterProfile
 
     profile = replace(ClusterProfile.load(), name="measured-here", shared_compute=True)
     path = tmp_path / "profile.json"

@@ -3,7 +3,7 @@ from dataclasses import asdict
 
 import pytest
 
-from nebula_engine.cluster.config import ClusterProfile, PrefillTimeModel
+from nebula_engine.cluster.control.config import ClusterProfile, PrefillTimeModel
 
 
 def test_shipped_profiles_load_and_document_their_numbers():

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from nebula_engine.cluster.election import EtcdAccess, ElectionSpec, RaftElection, make_election
+from nebula_engine.cluster.runtime.election import EtcdAccess, ElectionSpec, RaftElection, make_election
 from tests.cluster.probes import listening_sockets, payloads, send_raw, send_to_all
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -26,7 +26,7 @@ REELECT_DEADLINE_S = 10.0
 
 PEER_SCRIPT = """
 import json, sys, threading
-from nebula_engine.cluster.election import EtcdAccess, ElectionSpec, make_election
+from nebula_engine.cluster.runtime.election import EtcdAccess, ElectionSpec, make_election
 spec = json.loads(sys.argv[1])
 spec["etcd_access"] = EtcdAccess(**spec.get("etcd_access", {}))
 election = make_election(ElectionSpec(**spec))

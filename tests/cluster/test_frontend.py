@@ -9,10 +9,10 @@ import pytest
 from builders import Clock
 
 from nebula_engine import SamplingParams
-from nebula_engine.cluster import wire
-from nebula_engine.cluster.frontend import ClusterFrontend
-from nebula_engine.cluster.liveness import Liveness
-from nebula_engine.cluster.worker import output_to_wire, params_from_wire
+from nebula_engine.cluster.runtime import wire
+from nebula_engine.cluster.runtime.frontend import ClusterFrontend
+from nebula_engine.cluster.runtime.liveness import Liveness
+from nebula_engine.cluster.runtime.worker import output_to_wire, params_from_wire
 from nebula_engine.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineError
 from nebula_engine.engine.tokenizer import IncrementalDetokenizer
 
@@ -267,7 +267,7 @@ def test_options_a_cluster_cannot_carry_yet_are_refused_before_submission(engine
 
 
 def test_new_sampling_fields_survive_the_wire():
-    from nebula_engine.cluster.worker import params_to_wire
+    from nebula_engine.cluster.runtime.worker import params_to_wire
     from nebula_engine.engine.structured_outputs import StructuredOutputsParams
 
     params = SamplingParams(presence_penalty=0.5, frequency_penalty=-0.2, repetition_penalty=1.1, min_p=0.1,

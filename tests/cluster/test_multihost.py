@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from nebula_engine.cluster.auth import new_secret
-from nebula_engine.cluster.spec import ClusterSpec, PeerSpec
-from nebula_engine.cluster.transfer import nixl_available
+from nebula_engine.cluster.runtime.auth import new_secret
+from nebula_engine.cluster.runtime.spec import ClusterSpec, PeerSpec
+from nebula_engine.cluster.runtime.transfer import nixl_available
 from tests.cluster.probes import listening_sockets
 from tests.cluster.test_cluster_e2e import ENGINE, completion, documents, rag_segments
 from tests.model_cases import CASES_BY_NAME, checkpoint_factory  # noqa: F401  (fixture)
@@ -129,7 +129,7 @@ class Cluster:
             namespace = lab.add_member(name, host)
             log = open(log_dir / f"{name}.log", "ab")
             self.processes[name] = lab.spawn(namespace, [
-                sys.executable, "-m", "nebula_engine.cluster.peer", "--spec", str(spec_file), "--name", name,
+                sys.executable, "-m", "nebula_engine.cluster.runtime.peer", "--spec", str(spec_file), "--name", name,
                 "--model", model, "--engine-options", json.dumps(ENGINE), "--log-level", "info"],
                 stdout=log, stderr=subprocess.STDOUT, env=env)
 

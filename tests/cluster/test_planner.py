@@ -4,9 +4,9 @@ import sys
 
 import pytest
 
-from nebula_engine.cluster.config import ClusterProfile
-from nebula_engine.cluster.messages import Tier
-from nebula_engine.cluster.planner import (GreedyPlanner, Hit, PlanningProblem, TransferCosts,
+from nebula_engine.cluster.control.config import ClusterProfile
+from nebula_engine.cluster.control.messages import Tier
+from nebula_engine.cluster.control.planner import (GreedyPlanner, Hit, PlanningProblem, TransferCosts,
                                            compiled_kernel, estimate, hit_source, hit_tokens_by_source,
                                            summarise, supplied_by_source)
 from reference_planner import reference_plan
@@ -219,7 +219,7 @@ def test_supplied_by_source_matches_summarise(seed):
 
 
 def test_missing_numba_warns_and_falls_back_to_python(monkeypatch, caplog):
-    import nebula_engine.cluster as cluster_package
+    import nebula_engine.cluster.control as cluster_package
 
     costs = uniform_costs(3, d=0.1)
     problem = PlanningProblem((Hit(50, ((1, Tier.HOST),)),), (300, 200, 100), (0.0, 10.0, 20.0), 0.0)
@@ -227,9 +227,9 @@ def test_missing_numba_warns_and_falls_back_to_python(monkeypatch, caplog):
     compiled_kernel.cache_clear()
     try:
         monkeypatch.setitem(sys.modules, "numba", None)  # makes `import numba` raise ImportError
-        monkeypatch.delitem(sys.modules, "nebula_engine.cluster.planner_kernel", raising=False)
+        monkeypatch.delitem(sys.modules, "nebula_engine.cluster.control.planner_kernel", raising=False)
         monkeypatch.delattr(cluster_package, "planner_kernel", raising=False)
-        with caplog.at_level(logging.WARNING, logger="nebula_engine.cluster.planner"):
+        with caplog.at_level(logging.WARNING, logger="nebula_engine.cluster.control.planner"):
             planner = GreedyPlanner(costs)
         assert planner.kernel is None
         assert "pure-Python" in caplog.text and "numba" in caplog.text

@@ -1,13 +1,13 @@
 import pytest
 
 from builders import request
-from nebula_engine.cluster.config import ClusterConfig
-from nebula_engine.cluster.control_plane import ControlPlane
-from nebula_engine.cluster.messages import Action, CacheKind, StoreEvent, Tier
-from nebula_engine.cluster.planner import Hit, PlanningProblem, TransferCosts
-from nebula_engine.cluster.policies import POLICIES, default_cache, make_policy, view_config
-from nebula_engine.cluster.request_keys import RequestKeys
-from nebula_engine.cluster.schedulers import SCHEDULERS, LoadScheduler, LocalityScheduler
+from nebula_engine.cluster.control.config import ClusterConfig
+from nebula_engine.cluster.control.control_plane import ControlPlane
+from nebula_engine.cluster.control.messages import Action, CacheKind, StoreEvent, Tier
+from nebula_engine.cluster.control.planner import Hit, PlanningProblem, TransferCosts
+from nebula_engine.cluster.control.policies import POLICIES, default_cache, make_policy, view_config
+from nebula_engine.cluster.control.request_keys import RequestKeys
+from nebula_engine.cluster.control.schedulers import SCHEDULERS, LoadScheduler, LocalityScheduler
 
 CONFIG = ClusterConfig(num_prefill_workers=4)
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from nebula_engine.cluster import wire
-from nebula_engine.cluster.config import ClusterConfig
-from nebula_engine.cluster.messages import CacheKind, DoneEvent, Tier
-from nebula_engine.cluster.router import RouterService
+from nebula_engine.cluster.runtime import wire
+from nebula_engine.cluster.control.config import ClusterConfig
+from nebula_engine.cluster.control.messages import CacheKind, DoneEvent, Tier
+from nebula_engine.cluster.runtime.router import RouterService
 
 
 class Clock:

@@ -3,10 +3,10 @@ from dataclasses import replace
 import pytest
 
 from builders import rag_requests, request
-from nebula_engine.cluster.config import ClusterConfig
-from nebula_engine.cluster.messages import Action, CacheKind
-from nebula_engine.cluster.sim import SimulationConfig, Simulator, simulate
-from nebula_engine.cluster.sim_report import coefficient_of_variation, percentile
+from nebula_engine.cluster.control.config import ClusterConfig
+from nebula_engine.cluster.control.messages import Action, CacheKind
+from nebula_engine.cluster.sim.simulator import SimulationConfig, Simulator, simulate
+from nebula_engine.cluster.sim.report import coefficient_of_variation, percentile
 from nebula_engine.workloads import load_workload, reuse_stats
 from nebula_engine.workloads.registry import WorkloadDataMissing
 

@@ -3,8 +3,8 @@ import itertools
 
 import pytest
 
-from nebula_engine.cluster.config import ClusterProfile, PrefillTimeModel
-from nebula_engine.cluster.sim_hardware import Links, SharedProcessor, make_processors
+from nebula_engine.cluster.control.config import ClusterProfile, PrefillTimeModel
+from nebula_engine.cluster.sim.hardware import Links, SharedProcessor, make_processors
 
 
 class Clock:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from nebula_engine.cluster.transfer import (KVTransferAgent, PoolLayout, TransferError,
+from nebula_engine.cluster.runtime.transfer import (KVTransferAgent, PoolLayout, TransferError,
                                             check_compatible, decode_metadata, nixl_available, pool_layout)
 from nebula_engine.kvcache.pool import KVCacheStorage
 from nebula_engine.kvcache.spec import FullAttentionSpec, KVCacheGroupSpec, LinearStateSpec

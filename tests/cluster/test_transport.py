@@ -9,11 +9,11 @@ import pickle
 import pytest
 import zmq
 
-from nebula_engine.cluster import wire
-from nebula_engine.cluster.auth import (FrameRejected, FrameSealer, RateLimitedLog, SecretError, cluster_secret,
+from nebula_engine.cluster.runtime import wire
+from nebula_engine.cluster.runtime.auth import (FrameRejected, FrameSealer, RateLimitedLog, SecretError, cluster_secret,
                                         new_secret, read_secret_file)
-from nebula_engine.cluster.launcher import free_ports
-from nebula_engine.cluster.transport import Messenger
+from nebula_engine.cluster.runtime.launcher import free_ports
+from nebula_engine.cluster.runtime.transport import Messenger
 
 SECRET = new_secret()
 
@@ -87,7 +87,7 @@ def test_unsealed_forged_and_malformed_frames_are_dropped_with_one_line_each(pai
             raw.send(outsider.seal("b", wire.encode(hello("a"))))
             raw.send_multipart([b"x", b"y"])  # too many frames
         raw.send(pair.a.sealer.seal("b", wire.encode(hello("a"))))
-        with caplog.at_level(logging.WARNING, logger="nebula_engine.cluster.transport"):
+        with caplog.at_level(logging.WARNING, logger="nebula_engine.cluster.runtime.transport"):
             accepted = pair.run(accepted_until_marker(pair, raw))
     finally:
         raw.close()

@@ -1,7 +1,7 @@
-from nebula_engine.cluster.config import ViewConfig
-from nebula_engine.cluster.messages import (Action, CacheKind, DoneEvent, EvictEvent, PrefillPlan,
+from nebula_engine.cluster.control.config import ViewConfig
+from nebula_engine.cluster.control.messages import (Action, CacheKind, DoneEvent, EvictEvent, PrefillPlan,
                                             SegmentPlan, StoreEvent, Tier)
-from nebula_engine.cluster.view import ClusterView
+from nebula_engine.cluster.control.view import ClusterView
 
 PIC = CacheKind.PIC
 

@@ -1,7 +1,7 @@
 import pytest
 
-from nebula_engine.cluster.messages import CacheKind, Tier
-from nebula_engine.cluster.worker_cache import CacheChange, WorkerCache
+from nebula_engine.cluster.control.messages import CacheKind, Tier
+from nebula_engine.cluster.sim.worker_cache import CacheChange, WorkerCache
 
 PC, PIC = CacheKind.PC, CacheKind.PIC
 DEVICE, HOST = Tier.DEVICE, Tier.HOST

@@ -7,9 +7,9 @@ import asyncio
 
 from builders import Clock
 
-from nebula_engine.cluster import wire
-from nebula_engine.cluster.liveness import Liveness
-from nebula_engine.cluster.worker import WorkerService
+from nebula_engine.cluster.runtime import wire
+from nebula_engine.cluster.runtime.liveness import Liveness
+from nebula_engine.cluster.runtime.worker import WorkerService
 from nebula_engine.engine.async_engine import AsyncLLMEngine
 from nebula_engine.pic.segments import PromptSegment, SegmentedPrompt, SegmentKind
 

@@ -7,11 +7,11 @@ from dataclasses import replace
 
 import click
 
-from nebula_engine.cluster.config import ClusterConfig, ClusterProfile
-from nebula_engine.cluster.loads import pc_capacity_rps
-from nebula_engine.cluster.policies import CACHES, POLICIES, VIEWS
-from nebula_engine.cluster.schedulers import SCHEDULERS
-from nebula_engine.cluster.sim import SimulationConfig, simulate as run_simulation
+from nebula_engine.cluster.control.config import ClusterConfig, ClusterProfile
+from nebula_engine.cluster.sim.loads import pc_capacity_rps
+from nebula_engine.cluster.control.policies import CACHES, POLICIES, VIEWS
+from nebula_engine.cluster.control.schedulers import SCHEDULERS
+from nebula_engine.cluster.sim.simulator import SimulationConfig, simulate as run_simulation
 
 WORKLOAD_NAMES = ("ragpulse", "tau-bench", "chatdev", "swe-agent", "doc2dial", "quac")
 
@@ -45,7 +45,7 @@ def build_config(options: dict, qps: float) -> SimulationConfig:
               help="Poisson arrival rate [default: 8, unless --load is given].")
 @click.option("--load", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Arrival rate as a multiple of the prefix-caching baseline's prefill capacity here "
-                   "(cluster/loads.py); instead of --qps.")
+                   "(cluster/sim/loads.py); instead of --qps.")
 @click.option("--workers", type=click.IntRange(min=1), default=7, show_default=True,
               help="Prefill workers (one decode worker is added).")
 @click.option("--policy", type=click.Choice(sorted(POLICIES)), default="nebula", show_default=True)

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from nebula_engine.cluster.config import CacheManagerConfig
-from nebula_engine.cluster.messages import CacheKind, Tier
-from nebula_engine.cluster.request_keys import RequestKeys
+from nebula_engine.cluster.control.config import CacheManagerConfig
+from nebula_engine.cluster.control.messages import CacheKind, Tier
+from nebula_engine.cluster.control.request_keys import RequestKeys
 
 
 class TierFeedback:

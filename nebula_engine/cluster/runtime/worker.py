@@ -28,10 +28,10 @@ from typing import Any, Callable
 
 import torch
 
-from nebula_engine.cluster import wire
-from nebula_engine.cluster.liveness import Liveness
-from nebula_engine.cluster.request_keys import prompt_keys
-from nebula_engine.cluster.transfer import KVTransferAgent, TransferError
+from nebula_engine.cluster.runtime import wire
+from nebula_engine.cluster.runtime.liveness import Liveness
+from nebula_engine.cluster.control.request_keys import prompt_keys
+from nebula_engine.cluster.runtime.transfer import KVTransferAgent, TransferError
 from nebula_engine.engine.async_engine import AsyncLLMEngine
 from nebula_engine.engine.llm_engine import DEFAULT_BACKEND, LLMEngine
 from nebula_engine.engine.outputs import RequestOutput

@@ -17,11 +17,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from nebula_engine.cluster import wire
-from nebula_engine.cluster.config import ClusterConfig
-from nebula_engine.cluster.control_plane import ControlPlane
-from nebula_engine.cluster.messages import Action, CacheKind, DoneEvent, EvictEvent, StoreEvent, Tier
-from nebula_engine.cluster.request_keys import prompt_keys
+from nebula_engine.cluster.runtime import wire
+from nebula_engine.cluster.control.config import ClusterConfig
+from nebula_engine.cluster.control.control_plane import ControlPlane
+from nebula_engine.cluster.control.messages import Action, CacheKind, DoneEvent, EvictEvent, StoreEvent, Tier
+from nebula_engine.cluster.control.request_keys import prompt_keys
 
 logger = logging.getLogger(__name__)
 

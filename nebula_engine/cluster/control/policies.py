@@ -12,13 +12,13 @@ import random
 from abc import ABC, abstractmethod
 from dataclasses import replace
 
-from nebula_engine.cluster.config import ClusterConfig, ViewConfig
-from nebula_engine.cluster.messages import (Action, CacheKind, PrefillPlan, PrefixPlan, SegmentPlan,
+from nebula_engine.cluster.control.config import ClusterConfig, ViewConfig
+from nebula_engine.cluster.control.messages import (Action, CacheKind, PrefillPlan, PrefixPlan, SegmentPlan,
                                             Tier)
-from nebula_engine.cluster.planner import Hit, PlanningProblem, TransferCosts
-from nebula_engine.cluster.request_keys import RequestKeys
-from nebula_engine.cluster.schedulers import SCHEDULERS
-from nebula_engine.cluster.view import ClusterView
+from nebula_engine.cluster.control.planner import Hit, PlanningProblem, TransferCosts
+from nebula_engine.cluster.control.request_keys import RequestKeys
+from nebula_engine.cluster.control.schedulers import SCHEDULERS
+from nebula_engine.cluster.control.view import ClusterView
 
 
 class Policy(ABC):

@@ -27,9 +27,9 @@ from typing import AsyncIterator, Callable
 
 import msgspec
 
-from nebula_engine.cluster import wire
-from nebula_engine.cluster.liveness import DEFAULT_FAILOVER_TIMEOUT_S, Liveness
-from nebula_engine.cluster.worker import params_to_wire
+from nebula_engine.cluster.runtime import wire
+from nebula_engine.cluster.runtime.liveness import DEFAULT_FAILOVER_TIMEOUT_S, Liveness
+from nebula_engine.cluster.runtime.worker import params_to_wire
 from nebula_engine.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineError, EngineStats
 from nebula_engine.engine.llm_engine import DEFAULT_BACKEND
 from nebula_engine.engine.output_processor import find_stop_string

@@ -5,7 +5,7 @@ active on the leader), the worker's command handlers, the front end and the uvic
 who leads from its election, and forgets the leader while it has no quorum or hears nothing from it; the router
 state it builds when it starts leading comes from worker snapshots. Every peer heartbeats every other one.
 
-Run as ``python -m nebula_engine.cluster.peer --spec cluster.json --name NAME --engine-options JSON``
+Run as ``python -m nebula_engine.cluster.runtime.peer --spec cluster.json --name NAME --engine-options JSON``
 (``nebula-engine serve`` does this for each peer of a local cluster). Secrets come from the environment
 (``NEBULA_CLUSTER_SECRET``, ``NEBULA_API_KEY``, ``NEBULA_ETCD_PASSWORD``) or a 0600 file, never from the command
 line, where ``ps`` would show them.
@@ -22,17 +22,17 @@ import signal
 from dataclasses import replace
 from pathlib import Path
 
-from nebula_engine.cluster import wire
-from nebula_engine.cluster.auth import SecretError, cluster_secret, derive_key
-from nebula_engine.cluster.config import ClusterConfig, ClusterProfile, TransferLink
-from nebula_engine.cluster.election import ETCD_PASSWORD_ENV, EtcdAccess, EtcdElection, LeaderElection, RaftElection
-from nebula_engine.cluster.frontend import ClusterFrontend
-from nebula_engine.cluster.liveness import HEARTBEAT_S, Liveness
-from nebula_engine.cluster.router import RouterService
-from nebula_engine.cluster.spec import API_KEY_ENV, ClusterSpec, PeerSettings, check_secured
-from nebula_engine.cluster.transfer import KVTransferAgent, TransferError, confine_ucx_to
-from nebula_engine.cluster.transport import Messenger
-from nebula_engine.cluster.worker import WorkerService, backend_arg
+from nebula_engine.cluster.runtime import wire
+from nebula_engine.cluster.runtime.auth import SecretError, cluster_secret, derive_key
+from nebula_engine.cluster.control.config import ClusterConfig, ClusterProfile, TransferLink
+from nebula_engine.cluster.runtime.election import ETCD_PASSWORD_ENV, EtcdAccess, EtcdElection, LeaderElection, RaftElection
+from nebula_engine.cluster.runtime.frontend import ClusterFrontend
+from nebula_engine.cluster.runtime.liveness import HEARTBEAT_S, Liveness
+from nebula_engine.cluster.runtime.router import RouterService
+from nebula_engine.cluster.runtime.spec import API_KEY_ENV, ClusterSpec, PeerSettings, check_secured
+from nebula_engine.cluster.runtime.transfer import KVTransferAgent, TransferError, confine_ucx_to
+from nebula_engine.cluster.runtime.transport import Messenger
+from nebula_engine.cluster.runtime.worker import WorkerService, backend_arg
 
 logger = logging.getLogger(__name__)
 

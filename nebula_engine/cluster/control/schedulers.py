@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 from abc import ABC, abstractmethod
 
-from nebula_engine.cluster.planner import (GreedyPlan, GreedyPlanner, PlanningProblem, TransferCosts,
+from nebula_engine.cluster.control.planner import (GreedyPlan, GreedyPlanner, PlanningProblem, TransferCosts,
                                            estimate, hit_source)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from nebula_engine.cluster.config import ClusterProfile, TransferLink
+from nebula_engine.cluster.control.config import ClusterProfile, TransferLink
 
 Schedule = Callable[[float, Callable[[float], None]], None]
 EPSILON_S = 1e-12

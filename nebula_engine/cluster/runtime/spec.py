@@ -15,9 +15,9 @@ import logging
 import socket
 from dataclasses import asdict, dataclass, field
 
-from nebula_engine.cluster.auth import SECRET_ENV, SecretError
-from nebula_engine.cluster.election import EtcdAccess
-from nebula_engine.cluster.liveness import DEFAULT_DEAD_AFTER_S, DEFAULT_FAILOVER_TIMEOUT_S
+from nebula_engine.cluster.runtime.auth import SECRET_ENV, SecretError
+from nebula_engine.cluster.runtime.election import EtcdAccess
+from nebula_engine.cluster.runtime.liveness import DEFAULT_DEAD_AFTER_S, DEFAULT_FAILOVER_TIMEOUT_S
 from nebula_engine.server.limits import DEFAULT_MAX_REQUEST_BYTES
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from nebula_engine.cluster.config import ClusterProfile
+from nebula_engine.cluster.control.config import ClusterProfile
 from nebula_engine.workloads.analysis import request_hits
 from nebula_engine.workloads.request import Request
 

@@ -2,7 +2,7 @@
 
 A :class:`ClusterProfile` holds the hardware numbers: the prefill-time model, the transfer links, KV
 bytes per token, per-worker capacity of each tier and the combine cost of each PIC backend. It loads
-from JSON: the shipped GPU profiles (``cluster/profiles/``) derive throughput from public specs, and
+from JSON: the shipped GPU profiles (``cluster/control/profiles/``) derive throughput from public specs, and
 ``nebula-engine profile`` writes one measured on the machine it runs on. Every number says where it
 comes from in the profile's ``sources``. :class:`ClusterConfig` holds the policy knobs.
 """
@@ -15,7 +15,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Sequence
 
-from nebula_engine.cluster.messages import Tier
+from nebula_engine.cluster.control.messages import Tier
 
 DEFAULT_PROFILE = "default"
 LINKS = ("intra_node", "inter_node", "host_load", "disk_load")
@@ -156,14 +156,14 @@ class ClusterProfile:
 
     @classmethod
     def load(cls, path_or_name: str | Path = DEFAULT_PROFILE) -> "ClusterProfile":
-        """Load a profile JSON file, or a profile shipped in ``cluster/profiles/`` by name."""
+        """Load a profile JSON file, or a profile shipped in ``cluster/control/profiles/`` by name."""
         path = Path(path_or_name)
         if path.suffix == ".json":
             if not path.is_file():
                 raise FileNotFoundError(f"no profile file {path}")
             text = path.read_text()
         else:
-            shipped = resources.files("nebula_engine.cluster") / "profiles" / f"{path_or_name}.json"
+            shipped = resources.files("nebula_engine.cluster.control") / "profiles" / f"{path_or_name}.json"
             if not shipped.is_file():
                 raise FileNotFoundError(f"no profile file or shipped profile named {path_or_name!r}")
             text = shipped.read_text()

@@ -1,7 +1,7 @@
 """Discrete-event simulator of N prefill workers and one decode worker, driven by the real control plane
 (view, cache manager, policy/planner) through worker events delivered after a delay.
 
-The data plane does what the workers do (``cluster/worker.py`` and the engine under it):
+The data plane does what the workers do (``cluster/runtime/worker.py`` and the engine under it):
 - a scatter task prefills one PIC segment alone on its worker and stores it there (store event), unless
   the worker already holds it (a host copy is promoted first);
 - the combine home fetches every remote source: the holder serves it from its device, promotes it from
@@ -33,15 +33,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from nebula_engine.cluster.config import ClusterConfig
-from nebula_engine.cluster.control_plane import ControlPlane
-from nebula_engine.cluster.messages import (Action, CacheKind, DoneEvent, EvictEvent, PrefillPlan, StoreEvent,
+from nebula_engine.cluster.control.config import ClusterConfig
+from nebula_engine.cluster.control.control_plane import ControlPlane
+from nebula_engine.cluster.control.messages import (Action, CacheKind, DoneEvent, EvictEvent, PrefillPlan, StoreEvent,
                                             Tier)
-from nebula_engine.cluster.policies import CACHES, default_cache
-from nebula_engine.cluster.request_keys import RequestKeys
-from nebula_engine.cluster.sim_hardware import Links, make_processors
-from nebula_engine.cluster.sim_report import Counters, SimulationReport
-from nebula_engine.cluster.worker_cache import CacheChange, WorkerCache
+from nebula_engine.cluster.control.policies import CACHES, default_cache
+from nebula_engine.cluster.control.request_keys import RequestKeys
+from nebula_engine.cluster.sim.hardware import Links, make_processors
+from nebula_engine.cluster.sim.report import Counters, SimulationReport
+from nebula_engine.cluster.sim.worker_cache import CacheChange, WorkerCache
 from nebula_engine.workloads.request import Request
 
 

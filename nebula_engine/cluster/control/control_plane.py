@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nebula_engine.cluster.cache_manager import CacheManager
-from nebula_engine.cluster.config import ClusterConfig
-from nebula_engine.cluster.messages import (Action, CacheKind, PrefillPlan, PrefixPlan, SegmentPlan, Tier,
+from nebula_engine.cluster.control.cache_manager import CacheManager
+from nebula_engine.cluster.control.config import ClusterConfig
+from nebula_engine.cluster.control.messages import (Action, CacheKind, PrefillPlan, PrefixPlan, SegmentPlan, Tier,
                                             WorkerEvent)
-from nebula_engine.cluster.planner import TransferCosts
-from nebula_engine.cluster.policies import make_policy, view_config
-from nebula_engine.cluster.request_keys import RequestKeys
-from nebula_engine.cluster.view import ClusterView
+from nebula_engine.cluster.control.planner import TransferCosts
+from nebula_engine.cluster.control.policies import make_policy, view_config
+from nebula_engine.cluster.control.request_keys import RequestKeys
+from nebula_engine.cluster.control.view import ClusterView
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ import logging
 
 import msgspec
 
-from nebula_engine.cluster import wire
-from nebula_engine.cluster.auth import FrameRejected, FrameSealer, RateLimitedLog
+from nebula_engine.cluster.runtime import wire
+from nebula_engine.cluster.runtime.auth import FrameRejected, FrameSealer, RateLimitedLog
 from nebula_engine.extras import require_extra
 
 zmq = require_extra("zmq", "cluster")

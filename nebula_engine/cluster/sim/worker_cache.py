@@ -15,7 +15,7 @@ import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from nebula_engine.cluster.messages import CacheKind, Tier
+from nebula_engine.cluster.control.messages import CacheKind, Tier
 
 EVICTION_RULES = ("soft-share", "unified-lru", "fixed-partition")
 

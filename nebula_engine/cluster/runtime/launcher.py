@@ -23,9 +23,9 @@ import urllib.request
 from dataclasses import replace
 from pathlib import Path
 
-from nebula_engine.cluster.auth import SECRET_ENV, new_secret
-from nebula_engine.cluster.election import ETCD_PASSWORD_ENV
-from nebula_engine.cluster.spec import API_KEY_ENV, ClusterSpec, PeerSettings, PeerSpec
+from nebula_engine.cluster.runtime.auth import SECRET_ENV, new_secret
+from nebula_engine.cluster.runtime.election import ETCD_PASSWORD_ENV
+from nebula_engine.cluster.runtime.spec import API_KEY_ENV, ClusterSpec, PeerSettings, PeerSpec
 
 LOOPBACK = "127.0.0.1"
 
@@ -127,7 +127,7 @@ class LocalCluster:
 
     def _spawn(self, name: str, spec_file: Path) -> None:
         log = open(self.log_dir / f"{name}.log", "ab")
-        command = [sys.executable, "-m", "nebula_engine.cluster.peer", "--spec", str(spec_file), "--name", name,
+        command = [sys.executable, "-m", "nebula_engine.cluster.runtime.peer", "--spec", str(spec_file), "--name", name,
                    "--model", self.model, "--served-model-name", self.served_model_name,
                    "--engine-options", json.dumps(self._peer_options(name)), "--log-level", self.log_level,
                    *self._settings_args()]

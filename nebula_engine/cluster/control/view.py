@@ -15,8 +15,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from nebula_engine.cluster.config import ViewConfig
-from nebula_engine.cluster.messages import (Action, CacheKind, DoneEvent, EvictEvent, PrefillPlan,
+from nebula_engine.cluster.control.config import ViewConfig
+from nebula_engine.cluster.control.messages import (Action, CacheKind, DoneEvent, EvictEvent, PrefillPlan,
                                             StoreEvent, Tier, WorkerEvent)
 
 PresenceListener = Callable[[CacheKind, str, Tier, bool, int], None]

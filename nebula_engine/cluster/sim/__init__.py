@@ -1,0 +1,10 @@
+"""Discrete-event simulator of a cluster: the control plane of ``cluster.control`` over modelled workers.
+
+``simulator`` replays a workload trace; ``worker_cache`` models each worker's tiered KV cache,
+``hardware`` its processors and links, ``report`` the latency and hit-rate summary; ``loads`` expresses
+arrival rates against a simulated cluster's capacity; ``commands`` is the ``nebula simulate`` CLI.
+"""
+
+from nebula_engine.cluster.sim.simulator import SimulationConfig, simulate
+
+__all__ = ["SimulationConfig", "simulate"]
