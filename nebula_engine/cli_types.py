@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from nebula_engine.devices import DeviceError, check_device
@@ -21,3 +23,9 @@ class DeviceType(click.ParamType):
 
 
 DEVICE = DeviceType()
+
+
+def check_local_model(model: str | None) -> None:
+    """A ``--model`` spelled as a path must exist (a checkpoint directory or a .gguf file)."""
+    if model and model.startswith(("/", ".", "~")) and not Path(model).expanduser().exists():
+        raise click.BadParameter(f"no checkpoint directory or .gguf file at {model}", param_hint="--model")

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from nebula_engine.bench.profile import EngineProbe, ProfileOptions, combine_costs, measure_combines
-from nebula_engine.engine.commands import cached_checkpoint
+from nebula_engine.model.tiny import cached_checkpoint
 
 PROFILES = Path(__file__).resolve().parent.parent / "nebula_engine" / "cluster" / "profiles"
 SMALL = dict(hidden_size=256, num_attention_heads=8, head_dim=32, intermediate_size=768, max_position_embeddings=8192)

@@ -40,7 +40,7 @@ BENCH_MODEL = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, 
 
 def bench_model_dir() -> Path:
     """A random Qwen3 (``BENCH_MODEL``) with the real Qwen tokenizer, written under the user cache once."""
-    from nebula_engine.engine.commands import cached_checkpoint
+    from nebula_engine.model.tiny import cached_checkpoint
 
     return cached_checkpoint("bench-qwen3", "qwen3", seed=0, **BENCH_MODEL)
 

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import shutil
 import time
-from pathlib import Path
 
 import click
 
-from nebula_engine.cli_types import DEVICE
+from nebula_engine.cli_types import DEVICE, check_local_model
 
 DEFAULT_PROMPTS = (
     "The capital of France is",
@@ -17,28 +14,6 @@ DEFAULT_PROMPTS = (
     "In one sentence, position-independent caching means",
     "1, 2, 3, 4,",
 )
-
-
-def cached_checkpoint(name: str, family: str, **overrides) -> Path:
-    """A random ``family`` checkpoint (real tokenizer) under the user cache, written once (atomically)."""
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "nebula-engine"
-    target = cache / name
-    if not (target / "config.json").is_file():
-        from nebula_engine.model.tiny import make_tiny_checkpoint
-
-        click.echo(f"building a random {family} checkpoint in {target} ...", err=True)
-        staging = cache / f".{name}.{os.getpid()}.partial"
-        shutil.rmtree(staging, ignore_errors=True)
-        make_tiny_checkpoint(family, staging, **overrides)
-        shutil.rmtree(target, ignore_errors=True)
-        staging.rename(target)
-    return target
-
-
-def check_local_model(model: str | None) -> None:
-    """A ``--model`` spelled as a path must exist (a checkpoint directory or a .gguf file)."""
-    if model and model.startswith(("/", ".", "~")) and not Path(model).expanduser().exists():
-        raise click.BadParameter(f"no checkpoint directory or .gguf file at {model}", param_hint="--model")
 
 
 @click.command()

@@ -38,7 +38,7 @@ def prefill(model, input_path, disk_cache_path, pic_backend, disk_cache_tokens, 
     already there, so rerunning resumes."""
     from tqdm import tqdm
 
-    from nebula_engine.engine.commands import check_local_model
+    from nebula_engine.cli_types import check_local_model
     from nebula_engine.engine.offline_prefill import UNLIMITED_DISK_TOKENS, OfflinePrefill, build_prefill_engine
 
     if not input_path.is_file():

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -175,3 +177,17 @@ def make_tiny_checkpoint(family: str, out_dir: str | Path, seed: int = 0, **over
     for file in tokenizer_dir.iterdir():
         shutil.copy(file, out / file.name)
     return out
+
+
+def cached_checkpoint(name: str, family: str, **overrides) -> Path:
+    """A random ``family`` checkpoint (real tokenizer) under the user cache, written once (atomically)."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "nebula-engine"
+    target = cache / name
+    if not (target / "config.json").is_file():
+        print(f"building a random {family} checkpoint in {target} ...", file=sys.stderr)
+        staging = cache / f".{name}.{os.getpid()}.partial"
+        shutil.rmtree(staging, ignore_errors=True)
+        make_tiny_checkpoint(family, staging, **overrides)
+        shutil.rmtree(target, ignore_errors=True)
+        staging.rename(target)
+    return target

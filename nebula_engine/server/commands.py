@@ -150,7 +150,7 @@ def _peer_settings(api_key, max_request_bytes, cluster_secret, cluster_secret_fi
 def _start_engine(model: str | None, engine_options: dict):
     from nebula_engine.config import DEFAULT_MODEL, EngineConfig
     from nebula_engine.engine.async_engine import AsyncLLMEngine
-    from nebula_engine.engine.commands import check_local_model
+    from nebula_engine.cli_types import check_local_model
 
     check_local_model(model)
     options = {k: v for k, v in engine_options.items() if v is not None}

@@ -3,10 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol, Sequence
 
 import xxhash
 
-from nebula_engine.workloads.request import Request, SegmentKind
+from nebula_engine.pic.segments import SegmentKind
+
+
+class TraceSegment(Protocol):
+    content_id: str
+    num_tokens: int
+    kind: str
+
+
+class TraceRequest(Protocol):
+    """A workload request as the control plane reads it (``workloads.request.Request`` is one)."""
+
+    request_id: str
+    segments: Sequence[TraceSegment]
 
 
 def chain_key(parent: str, content_id: str) -> str:
@@ -25,7 +39,7 @@ class RequestKeys:
     pic_indices: tuple[int, ...]
 
     @classmethod
-    def of(cls, request: Request) -> "RequestKeys":
+    def of(cls, request: TraceRequest) -> "RequestKeys":
         keys, parent = [], ""
         for segment in request.segments:
             parent = chain_key(parent, segment.content_id)
