@@ -37,9 +37,8 @@ class StoreEvent(msgspec.Struct, frozen=True, array_like=True, tag=True):
 
     A PC event lists consecutive pages of one chain, each key covering one full page
     (``num_tokens // len(keys)`` tokens); ``parent_key`` is the chain's key before ``keys[0]``
-    (None at the root). A PIC event carries exactly one key. A cluster worker reports its prefix
-    cache per prompt segment instead: one key per event, naming the prompt's prefix through that
-    segment, with ``num_tokens`` the length of that prefix.
+    (None at the root). A PIC event carries exactly one key. A cluster reports its prefix caches per
+    prompt segment instead: one key per event, naming the prompt's prefix through that segment.
     """
 
     worker: int
