@@ -32,7 +32,17 @@ class Tier(str, enum.Enum):
     DISK = "disk"
 
 
-class StoreEvent(msgspec.Struct, frozen=True, array_like=True, tag=True):
+class _Event(msgspec.Struct, frozen=True, array_like=True, tag=True):
+    """What every cache event says: whose, its number, and which entries (tagged by subclass on the wire)."""
+
+    worker: int
+    seq: int
+    kind: CacheKind
+    keys: tuple[str, ...]
+    num_tokens: int
+
+
+class StoreEvent(_Event):
     """``worker`` now holds ``keys`` on ``tier``.
 
     A PC event lists consecutive pages of one chain, each key covering one full page
@@ -41,34 +51,19 @@ class StoreEvent(msgspec.Struct, frozen=True, array_like=True, tag=True):
     prompt segment instead: one key per event, naming the prompt's prefix through that segment.
     """
 
-    worker: int
-    seq: int
-    kind: CacheKind
-    keys: tuple[str, ...]
-    num_tokens: int
     tier: Tier = Tier.DEVICE
     parent_key: str | None = None
 
 
-class EvictEvent(msgspec.Struct, frozen=True, array_like=True, tag=True):
+class EvictEvent(_Event):
     """``keys`` are dropped from ``tier`` (and from the worker: a demotion is a ``MoveEvent``)."""
 
-    worker: int
-    seq: int
-    kind: CacheKind
-    keys: tuple[str, ...]
-    num_tokens: int
     tier: Tier = Tier.DEVICE
 
 
-class MoveEvent(msgspec.Struct, frozen=True, array_like=True, tag=True):
+class MoveEvent(_Event):
     """``keys`` moved from tier ``src`` to tier ``dst`` (demotion or promotion)."""
 
-    worker: int
-    seq: int
-    kind: CacheKind
-    keys: tuple[str, ...]
-    num_tokens: int
     src: Tier
     dst: Tier
 
