@@ -1,10 +1,14 @@
-"""Worker-side cache events and the index they describe.
+"""Cache events: the one type in which a KV cache's changes reach the cluster's view, and the index they describe.
 
 Every store, evict and tier move of a cached entry becomes one event, numbered by a per-worker
 sequence that increases by one per event. Replaying a worker's events in order on an empty
-``CacheIndex`` reproduces that worker's index exactly (its ``snapshot()``): that is how a router
-keeps a view without ever touching KV bytes. The fields mirror ``cluster.messages`` (which may not
-be imported from here: dependencies run cluster -> engine -> kvcache).
+``CacheIndex`` reproduces that worker's index exactly (its ``snapshot()``). The same types travel
+unchanged to the router (``cluster.runtime.wire`` carries them, msgspec-encoded) and into the control
+plane's view, which is how a router keeps a view without ever touching KV bytes; on the way a cluster
+worker renumbers them in its own sequence (shared with its task reports) and reports prefix-cache
+entries per prompt segment instead of per page (``cluster.runtime.worker``).
+
+This module stays light (no torch) so that the control plane and the simulator can import it.
 """
 
 from __future__ import annotations
@@ -12,62 +16,64 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import msgspec
+
 
 class CacheKind(str, enum.Enum):
-    PC = "pc"  # prefix-chain page: valid only after exactly the same preceding tokens
+    PC = "pc"  # prefix-chain entry: valid only after exactly the same preceding tokens
     PIC = "pic"  # position-independent segment: keyed by its content alone
 
 
 class Tier(str, enum.Enum):
+    """Where a worker holds a copy, fastest first."""
+
     DEVICE = "device"
     HOST = "host"
     DISK = "disk"
 
 
-@dataclass(frozen=True)
-class StoreEvent:
+class _Event(msgspec.Struct, frozen=True, array_like=True, tag=True):
+    """What every cache event says: whose, its number, and which entries (tagged by subclass on the wire)."""
+
+    worker: int
+    seq: int
+    kind: CacheKind
+    keys: tuple[str, ...]
+    num_tokens: int
+
+
+class StoreEvent(_Event):
     """``worker`` now holds ``keys`` on ``tier``.
 
     A PC event lists consecutive pages of one chain, each key covering one full page
     (``num_tokens // len(keys)`` tokens); ``parent_key`` is the chain's key before ``keys[0]``
-    (None at the root). A PIC event carries exactly one key.
+    (None at the root). A PIC event carries exactly one key. A cluster reports its prefix caches per
+    prompt segment instead: one key per event, naming the prompt's prefix through that segment.
     """
 
-    worker: int
-    seq: int
-    kind: CacheKind
-    keys: tuple[str, ...]
-    num_tokens: int
     tier: Tier = Tier.DEVICE
     parent_key: str | None = None
 
 
-@dataclass(frozen=True)
-class EvictEvent:
+class EvictEvent(_Event):
     """``keys`` are dropped from ``tier`` (and from the worker: a demotion is a ``MoveEvent``)."""
 
-    worker: int
-    seq: int
-    kind: CacheKind
-    keys: tuple[str, ...]
-    num_tokens: int
     tier: Tier = Tier.DEVICE
 
 
-@dataclass(frozen=True)
-class MoveEvent:
+class MoveEvent(_Event):
     """``keys`` moved from tier ``src`` to tier ``dst`` (demotion or promotion)."""
 
-    worker: int
-    seq: int
-    kind: CacheKind
-    keys: tuple[str, ...]
-    num_tokens: int
     src: Tier
     dst: Tier
 
 
 CacheEvent = StoreEvent | EvictEvent | MoveEvent
+
+
+def tokens_per_key(event: CacheEvent) -> int:
+    """Tokens each of ``event.keys`` covers."""
+    return event.num_tokens // len(event.keys) if event.keys else 0
 
 
 class EventLog:
@@ -117,7 +123,7 @@ class CacheIndex:
         if event.worker != self.worker or event.seq != self.last_seq + 1:
             raise ValueError(f"event {event.seq} of worker {event.worker} does not follow {self.last_seq}")
         self.last_seq = event.seq
-        per_key = event.num_tokens // len(event.keys) if event.keys else 0
+        per_key = tokens_per_key(event)
         for key in event.keys:
             self._apply_key(event, (event.kind, key), per_key)
 

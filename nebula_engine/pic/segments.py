@@ -28,8 +28,14 @@ _SENTINEL = re.compile(f"{_SENTINEL_OPEN}(\\d+){_SENTINEL_CLOSE}")
 
 
 class SegmentKind(str, Enum):
-    PIC = "pic"
-    REGULAR = "regular"
+    """What a segment is to caching; the engine's prompts hold only ``REGULAR`` and ``PIC`` segments."""
+
+    PREFIX = "prefix"  # a workload's shared leading text (system prompt): regular text reused through prefix caching
+    REGULAR = "regular"  # ordinary text: reused only as part of an exact prefix
+    PIC = "pic"  # position-independent segment: reusable at any position
+
+
+_PREFIX_IN_PROMPT = "a prompt's segments are 'regular' or 'pic' (a workload's prefix is regular text to the engine)"
 
 
 class PICSyntaxError(ValueError):
@@ -61,7 +67,8 @@ class PromptSegment:
 
 @dataclass(frozen=True)
 class SegmentedPrompt:
-    """Token ids and the segments that tile them, in order, without gaps; every segment is non-empty."""
+    """Token ids and the segments that tile them, in order, without gaps; every segment is non-empty and regular
+    or PIC."""
 
     token_ids: tuple[int, ...]
     segments: tuple[PromptSegment, ...]
@@ -69,6 +76,8 @@ class SegmentedPrompt:
     def __post_init__(self) -> None:
         offset = 0
         for segment in self.segments:
+            if segment.kind is SegmentKind.PREFIX:
+                raise ValueError(_PREFIX_IN_PROMPT)
             if segment.start != offset or segment.length <= 0:
                 raise ValueError(f"segments must tile token_ids without gaps or empty segments: {self.segments}")
             offset = segment.end
@@ -121,6 +130,8 @@ def segment_token_lists(segments: Iterable[tuple[SegmentKind | str, Sequence[int
     out: list[PromptSegment] = [PromptSegment(SegmentKind.REGULAR, 0, 1)] if token_ids else []
     for kind, ids in segments:
         kind = SegmentKind(kind)
+        if kind is SegmentKind.PREFIX:
+            raise ValueError(_PREFIX_IN_PROMPT)
         if kind is SegmentKind.PIC and not ids:
             raise ValueError("a PIC segment must have at least one token")
         if not ids:

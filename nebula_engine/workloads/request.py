@@ -6,14 +6,9 @@ same id, which is what both prefix caching (a chain of ids) and PIC (one id) key
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
-
-class SegmentKind(str, enum.Enum):
-    PREFIX = "prefix"  # shared leading text (system prompt): reused through prefix caching
-    REGULAR = "regular"  # ordinary text: reused only as part of an exact prefix
-    PIC = "pic"  # position-independent segment: reusable at any position
+from nebula_engine.pic.segments import SegmentKind
 
 
 @dataclass(frozen=True)

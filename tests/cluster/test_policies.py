@@ -14,7 +14,7 @@ CONFIG = ClusterConfig(num_prefill_workers=4)
 
 def store_all(plane: ControlPlane, worker: int, kind: CacheKind, keys, start_seq: int = 0) -> None:
     for seq, key in enumerate(keys, start=start_seq):
-        plane.on_event(StoreEvent(worker, seq, kind, key, 100), now=0.0)
+        plane.on_event(StoreEvent(worker, seq, kind, (key,), 100), now=0.0)
 
 
 def rag_request():
@@ -126,8 +126,8 @@ def slow_tier_plane(d: float, host: float) -> ControlPlane:
     makes worker 0 the home."""
     costs = TransferCosts([[0.0, d], [d, 0.0]], {Tier.HOST: host})
     plane = ControlPlane(ClusterConfig(num_prefill_workers=2), "nebula", costs=costs)
-    plane.on_event(StoreEvent(1, 1, CacheKind.PIC, "doc", 100, Tier.HOST), now=0.0)
-    plane.on_event(StoreEvent(0, 1, CacheKind.PIC, "big", 1000), now=0.0)
+    plane.on_event(StoreEvent(1, 1, CacheKind.PIC, ("doc",), 100, Tier.HOST), now=0.0)
+    plane.on_event(StoreEvent(0, 1, CacheKind.PIC, ("big",), 1000), now=0.0)
     return plane
 
 
@@ -150,8 +150,8 @@ def test_a_short_device_copy_behind_a_slow_link_is_recomputed_at_the_home():
     for doc_tokens, action in ((100, Action.COMPUTE), (400, Action.REUSE)):
         plane = ControlPlane(ClusterConfig(num_prefill_workers=2), "nebula",
                              costs=TransferCosts([[0.0, 0.1], [0.1, 0.0]], latency=latency))
-        plane.on_event(StoreEvent(1, 1, CacheKind.PIC, "doc", doc_tokens), now=0.0)
-        plane.on_event(StoreEvent(0, 1, CacheKind.PIC, "big", 1000), now=0.0)
+        plane.on_event(StoreEvent(1, 1, CacheKind.PIC, ("doc",), doc_tokens), now=0.0)
+        plane.on_event(StoreEvent(0, 1, CacheKind.PIC, ("big",), 1000), now=0.0)
         keys = RequestKeys.of(request("r", ("I", "big", 1000), ("I", "doc", doc_tokens), ("R", "q", 5)))
         plan = plane.on_request(keys, now=1.0).plan
         assert plan.combine_home == 0
@@ -163,7 +163,7 @@ def test_pinned_home_reads_the_cheapest_copy_worth_reading():
     plan = slow_tier_plane(d=0.6, host=0.5).on_request(keys, now=1.0, home=0).plan
     assert [(s.action, s.worker) for s in plan.segments] == [(Action.COMPUTE, 0)]
     plane = slow_tier_plane(d=0.6, host=0.5)
-    plane.on_event(StoreEvent(0, 2, CacheKind.PIC, "doc", 100, Tier.HOST), now=0.0)
+    plane.on_event(StoreEvent(0, 2, CacheKind.PIC, ("doc",), 100, Tier.HOST), now=0.0)
     plan = plane.on_request(keys, now=1.0, home=0).plan
     assert [(s.action, s.worker, s.tier) for s in plan.segments] == [(Action.REUSE, 0, Tier.HOST)]
 

@@ -6,7 +6,7 @@ import pytest
 
 from nebula_engine.cluster.runtime import wire
 from nebula_engine.cluster.control.config import ClusterConfig
-from nebula_engine.cluster.control.messages import CacheKind, DoneEvent, Tier
+from nebula_engine.cluster.control.messages import CacheKind, DoneEvent, EvictEvent, MoveEvent, StoreEvent, Tier
 from nebula_engine.cluster.runtime.router import RouterService
 
 
@@ -44,9 +44,23 @@ def submit(request_id: str, docs: list[list[int]], attempt: int = 0, route: str 
 def test_codec_round_trips_every_message_kind():
     message = submit("r", [[5, 6, 7]])
     assert wire.decode(wire.encode(message)) == message
-    event = wire.CacheEventMsg(sender="p", worker_index=1, first_seq=4,
-                               events=[wire.CacheEvent("store", "pic", "k", 3, "host")])
-    assert wire.decode(wire.encode(event)) == event
+    event = wire.CacheEventMsg(sender="p", worker_index=1, events=[
+        StoreEvent(1, 4, CacheKind.PIC, ("k",), 3, Tier.HOST),
+        StoreEvent(1, 5, CacheKind.PC, ("a", "b"), 32, parent_key="root"),
+        EvictEvent(1, 6, CacheKind.PC, ("a",), 16, Tier.DISK),
+        MoveEvent(1, 7, CacheKind.PIC, ("k",), 3, Tier.HOST, Tier.DEVICE)])
+    decoded = wire.decode(wire.encode(event))
+    assert decoded == event
+    assert decoded.events[0].kind is CacheKind.PIC and decoded.events[0].tier is Tier.HOST  # the enums, not strings
+
+
+def test_the_codec_refuses_a_cache_event_of_an_unknown_kind_or_shape():
+    import msgspec
+    good = wire.encode(wire.CacheEventMsg(sender="p", worker_index=1,
+                                          events=[StoreEvent(1, 4, CacheKind.PIC, ("k",), 3)]))
+    for bad in (good.replace(b"StoreEvent", b"StoreEvenX"), good.replace(b"\xa3pic", b"\xa3pix")):
+        with pytest.raises(msgspec.ValidationError):
+            wire.decode(bad)
 
 
 def test_a_request_becomes_one_combine_and_scatters_for_remote_cold_segments(router):
@@ -71,8 +85,8 @@ def test_a_request_becomes_one_combine_and_scatters_for_remote_cold_segments(rou
 def test_store_events_make_a_remote_copy_reusable(router):
     service, sent, _ = router
     key = "pic-" + "-".join(["20"] * 50)
-    service.on_cache_events(wire.CacheEventMsg(sender="prefill-1", worker_index=1, first_seq=1,
-                                               events=[wire.CacheEvent("store", "pic", key, 50, "device")]))
+    service.on_cache_events(wire.CacheEventMsg(sender="prefill-1", worker_index=1,
+                                               events=[StoreEvent(1, 1, CacheKind.PIC, (key,), 50)]))
     service.on_submit(submit("r2", [[20] * 50], route="prefill-0"))
     combine = next(m for _, m in sent if isinstance(m, wire.Combine))
     assert [(s.key, s.peer) for s in combine.sources] == [(key, "prefill-1")]
@@ -123,12 +137,11 @@ def test_a_router_that_does_not_lead_refuses_submissions(router):
 
 def test_a_snapshot_replaces_what_the_router_knew_of_a_worker(router):
     service, _, _ = router
-    stale = wire.CacheEvent("store", "pic", "old", 5, "device")
-    service.on_cache_events(wire.CacheEventMsg(sender="prefill-1", worker_index=1, first_seq=40, events=[stale]))
-    fresh = wire.CacheEvent("store", "pic", "new", 5, "device")
+    stale = StoreEvent(1, 40, CacheKind.PIC, ("old",), 5)
+    service.on_cache_events(wire.CacheEventMsg(sender="prefill-1", worker_index=1, events=[stale]))
+    fresh = StoreEvent(1, 1, CacheKind.PIC, ("new",), 5)
     # a restarted worker numbers from 1 again: its snapshot still counts
-    service.on_cache_events(wire.CacheEventMsg(sender="prefill-1", worker_index=1, first_seq=1, events=[fresh],
-                                               snapshot=True))
+    service.on_cache_events(wire.CacheEventMsg(sender="prefill-1", worker_index=1, events=[fresh], snapshot=True))
     assert service.control.view.holders(CacheKind.PIC, "old", 100.0) == {}
     assert 1 in service.control.view.holders(CacheKind.PIC, "new", 100.0)
 
@@ -137,17 +150,16 @@ def test_events_keep_the_workers_sequence_numbers_and_tiers(router):
     service, _, _ = router
     view = service.control.view
 
-    def events(first_seq: int, *items) -> wire.CacheEventMsg:
-        return wire.CacheEventMsg(sender="prefill-1", worker_index=1, first_seq=first_seq,
-                                  events=[wire.CacheEvent(*item) for item in items])
+    def events(*items) -> wire.CacheEventMsg:
+        return wire.CacheEventMsg(sender="prefill-1", worker_index=1, events=list(items))
 
-    service.on_cache_events(events(5, ("store", "pic", "doc", 8, "device"), ("evict", "pic", "doc", 8, "device"),
-                                   ("store", "pic", "doc", 8, "disk")))
+    doc = (CacheKind.PIC, ("doc",), 8)
+    service.on_cache_events(events(StoreEvent(1, 5, *doc), EvictEvent(1, 6, *doc), StoreEvent(1, 7, *doc, Tier.DISK)))
     assert view.holders(CacheKind.PIC, "doc", 100.0)[1].tier is Tier.DISK  # not collapsed into host
     # a duplicate of the worker's event 6 (an eviction) is recognised by its number and ignored
-    service.on_cache_events(events(6, ("evict", "pic", "doc", 8, "disk")))
+    service.on_cache_events(events(EvictEvent(1, 6, *doc, Tier.DISK)))
     assert 1 in view.holders(CacheKind.PIC, "doc", 100.0)
-    service.on_cache_events(events(8, ("evict", "pic", "doc", 8, "disk")))
+    service.on_cache_events(events(EvictEvent(1, 8, *doc, Tier.DISK)))
     assert view.holders(CacheKind.PIC, "doc", 100.0) == {}
     service.on_task_done(wire.TaskDone(sender="prefill-1", worker_index=1, task_id="t", seq=9))
     assert not view.apply(DoneEvent(1, 9, "t"), 100.0)  # the view saw the worker's own number 9

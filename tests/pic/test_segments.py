@@ -112,6 +112,14 @@ def test_explicit_token_segments_merge_regular_neighbours():
         segment_token_lists([("pic", [])])
 
 
+def test_a_workloads_prefix_kind_is_no_prompt_segment_kind():
+    for segments in ([("prefix", [1, 2])], [(SegmentKind.PREFIX, [])]):
+        with pytest.raises(ValueError, match="regular"):
+            segment_token_lists(segments)
+    with pytest.raises(ValueError, match="regular"):
+        SegmentedPrompt((1, 2), (PromptSegment(SegmentKind.PREFIX, 0, 2),))
+
+
 def test_segmented_prompt_rejects_gaps():
     with pytest.raises(ValueError):
         SegmentedPrompt((1, 2, 3), (PromptSegment(REG, 0, 1), PromptSegment(PIC, 2, 1)))

@@ -1,7 +1,8 @@
 """Typed messages of the control plane: worker events in, prefill plans out.
 
-Plain frozen dataclasses of str / int / float / enum / tuple fields, so one msgspec codec can carry
-them over the wire unchanged when the router runs across machines.
+A worker's cache events are the KV cache's own types (``kvcache.events``, re-exported here with
+``CacheKind`` and ``Tier`` as the control plane's vocabulary): the router hands them to the view as the
+wire delivered them. The plans are plain frozen dataclasses; the router turns them into wire messages.
 """
 
 from __future__ import annotations
@@ -9,39 +10,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from nebula_engine.kvcache.events import CacheEvent, CacheKind, EvictEvent, MoveEvent, StoreEvent, Tier
 
-class CacheKind(str, enum.Enum):
-    PC = "pc"  # a prefix-chain entry: valid only after exactly the same preceding segments
-    PIC = "pic"  # a position-independent segment: keyed by content alone
-
-
-class Tier(str, enum.Enum):
-    """Where a worker holds a copy, fastest first (the names workers report: kvcache.events.Tier)."""
-
-    DEVICE = "device"
-    HOST = "host"
-    DISK = "disk"
-
-
-@dataclass(frozen=True)
-class StoreEvent:
-    """``worker`` now holds ``key`` on ``tier``. ``seq`` increases by one per event of a worker."""
-
-    worker: int
-    seq: int
-    kind: CacheKind
-    key: str
-    num_tokens: int
-    tier: Tier = Tier.DEVICE
-
-
-@dataclass(frozen=True)
-class EvictEvent:
-    worker: int
-    seq: int
-    kind: CacheKind
-    key: str
-    tier: Tier = Tier.DEVICE
+__all__ = ["Action", "CacheEvent", "CacheKind", "DoneEvent", "EvictEvent", "MoveEvent", "PrefillPlan", "PrefixPlan",
+           "SegmentPlan", "StoreEvent", "Tier", "WorkerEvent"]
 
 
 @dataclass(frozen=True)
@@ -53,7 +25,7 @@ class DoneEvent:
     task_id: str
 
 
-WorkerEvent = StoreEvent | EvictEvent | DoneEvent
+WorkerEvent = CacheEvent | DoneEvent
 
 
 class Action(str, enum.Enum):

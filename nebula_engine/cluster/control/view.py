@@ -1,9 +1,10 @@
 """Cluster view of §5: where cached KV lives (cache view) and how busy each worker is (load view).
 
 Two sources feed it. Optimistic accounting: on dispatch the router records where a plan will leave
-KV (unconfirmed, expiring after a TTL) and reserves the plan's compute. Worker events: a store
-confirms a location (confirmed records never expire; a late store re-registers an expired one), an
-evict removes it, a done report releases a task's reservation — exactly once, duplicates ignored.
+KV (unconfirmed, expiring after a TTL) and reserves the plan's compute. Worker events (the KV cache's
+own ``kvcache.events``, as the wire delivers them): a store confirms a location (confirmed records never
+expire; a late store re-registers an expired one), an evict removes it, a tier move does both, a done
+report releases a task's reservation — exactly once, duplicates ignored.
 
 Pure logic: time is always an argument, nothing here reads a clock.
 """
@@ -16,8 +17,9 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from nebula_engine.cluster.control.config import ViewConfig
-from nebula_engine.cluster.control.messages import (Action, CacheKind, DoneEvent, EvictEvent, PrefillPlan,
-                                            StoreEvent, Tier, WorkerEvent)
+from nebula_engine.cluster.control.messages import (Action, CacheEvent, CacheKind, DoneEvent, EvictEvent, MoveEvent,
+                                                    PrefillPlan, StoreEvent, Tier, WorkerEvent)
+from nebula_engine.kvcache.events import tokens_per_key
 
 PresenceListener = Callable[[CacheKind, str, Tier, bool, int], None]
 
@@ -169,27 +171,37 @@ class ClusterView:
         self._last_seq[event.worker] = event.seq
         if isinstance(event, DoneEvent):
             self.release(event.task_id)
-        elif self.config.apply_cache_events and isinstance(event, StoreEvent):
-            self._confirm(event)
-        elif self.config.apply_cache_events and isinstance(event, EvictEvent):
-            record = self._holders[event.kind].get(event.key, {}).get(event.worker)
-            if record is not None and record.tier is event.tier:
-                self._remove(event.kind, event.key, event.worker)
+        elif self.config.apply_cache_events:
+            self._apply_cache_event(event)
         return True
 
-    def _confirm(self, event: StoreEvent) -> None:
-        records = self._holders[event.kind].get(event.key, {})
-        record = records.get(event.worker)
+    def _apply_cache_event(self, event: CacheEvent) -> None:
+        num_tokens = tokens_per_key(event)
+        for key in event.keys:
+            if isinstance(event, StoreEvent):
+                self._confirm(event.kind, key, event.worker, event.tier, num_tokens)
+            elif isinstance(event, EvictEvent):
+                self._drop(event.kind, key, event.worker, event.tier)
+            elif isinstance(event, MoveEvent):
+                self._drop(event.kind, key, event.worker, event.src)
+                self._confirm(event.kind, key, event.worker, event.dst, num_tokens)
+
+    def _drop(self, kind: CacheKind, key: str, worker: int, tier: Tier) -> None:
+        record = self._holders[kind].get(key, {}).get(worker)
+        if record is not None and record.tier is tier:
+            self._remove(kind, key, worker)
+
+    def _confirm(self, kind: CacheKind, key: str, worker: int, tier: Tier, num_tokens: int) -> None:
+        record = self._holders[kind].get(key, {}).get(worker)
         if record is None:  # a late store re-registers a location the TTL already dropped
-            self._add(event.kind, event.key, event.worker,
-                      HolderRecord(event.num_tokens, event.tier, True, float("inf")))
+            self._add(kind, key, worker, HolderRecord(num_tokens, tier, True, float("inf")))
             return
-        if record.tier is event.tier:  # the common case: an expected device copy confirmed
-            record.confirmed, record.num_tokens = True, event.num_tokens
+        if record.tier is tier:  # the common case: an expected device copy confirmed
+            record.confirmed, record.num_tokens = True, num_tokens
             return
-        before = self._tiers(event.kind, event.key)
-        record.confirmed, record.tier, record.num_tokens = True, event.tier, event.num_tokens
-        self._announce(event.kind, event.key, before, record.num_tokens)
+        before = self._tiers(kind, key)
+        record.confirmed, record.tier, record.num_tokens = True, tier, num_tokens
+        self._announce(kind, key, before, record.num_tokens)
 
     # ---- bookkeeping --------------------------------------------------------------------------
     def _tiers(self, kind: CacheKind, key: str) -> set[Tier]:

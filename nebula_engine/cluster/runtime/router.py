@@ -20,7 +20,7 @@ from typing import Callable
 from nebula_engine.cluster.runtime import wire
 from nebula_engine.cluster.control.config import ClusterConfig
 from nebula_engine.cluster.control.control_plane import ControlPlane
-from nebula_engine.cluster.control.messages import Action, CacheKind, DoneEvent, EvictEvent, StoreEvent, Tier
+from nebula_engine.cluster.control.messages import Action, DoneEvent
 from nebula_engine.cluster.control.request_keys import prompt_keys
 
 logger = logging.getLogger(__name__)
@@ -150,15 +150,11 @@ class RouterService:
         if not self.active:
             return
         self.seen(msg.sender)
-        worker, now = msg.worker_index, self.clock()
+        now = self.clock()
         if msg.snapshot:  # also restarts the worker's numbering: a restarted worker counts from 1 again
-            self.control.view.forget_worker(worker)
-        for seq, event in enumerate(msg.events, start=msg.first_seq):
-            kind, tier = CacheKind(event.kind), Tier(event.tier)
-            if event.op == "store":
-                self.control.on_event(StoreEvent(worker, seq, kind, event.key, event.num_tokens, tier), now)
-            else:
-                self.control.on_event(EvictEvent(worker, seq, kind, event.key, tier), now)
+            self.control.view.forget_worker(msg.worker_index)
+        for event in msg.events:
+            self.control.on_event(event, now)
 
     def seen(self, peer: str) -> None:
         self.last_seen[peer] = self.clock()

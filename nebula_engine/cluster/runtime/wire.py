@@ -2,13 +2,16 @@
 
 Every message names its sender peer. Request-scoped messages carry ``attempt``: only a request's front end starts
 a new attempt (after a failure: a higher number), and it only accepts outputs of the attempt it is waiting for.
-Worker cache events travel as ``CacheEventMsg`` and become ``cluster.messages`` events at the router, each with
-the sequence number its worker gave it (one counter per worker over cache events and task completions).
+Worker cache events travel in ``CacheEventMsg`` as the KV cache's own types (``kvcache.events``), which the router
+hands to the control plane's view unchanged; each carries the sequence number its worker gave it (one counter per
+worker over cache events and task completions).
 """
 
 from __future__ import annotations
 
 import msgspec
+
+from nebula_engine.kvcache.events import CacheEvent
 
 
 class Msg(msgspec.Struct, tag=True, kw_only=True):
@@ -100,18 +103,9 @@ class PCShare(Msg):
 
 
 # ---- workers -> router ----
-class CacheEvent(msgspec.Struct, array_like=True):
-    op: str  # "store" | "evict"
-    kind: str  # "pc" | "pic"
-    key: str
-    num_tokens: int
-    tier: str  # "device" | "host" | "disk"
-
-
 class CacheEventMsg(Msg):
     worker_index: int
-    first_seq: int  # the worker's sequence number of events[0]; events[i] has first_seq + i
-    events: list[CacheEvent]
+    events: list[CacheEvent]  # numbered by the worker, consecutively
     snapshot: bool = False  # True: the full index (replaces what the router knew of this worker)
 
 

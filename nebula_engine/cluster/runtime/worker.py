@@ -26,6 +26,7 @@ import time
 from dataclasses import replace
 from typing import Any, Callable
 
+import msgspec
 import torch
 
 from nebula_engine.cluster.runtime import wire
@@ -37,7 +38,7 @@ from nebula_engine.engine.llm_engine import DEFAULT_BACKEND, LLMEngine
 from nebula_engine.engine.outputs import RequestOutput
 from nebula_engine.engine.sampling_params import SamplingParams
 from nebula_engine.engine.structured_outputs import StructuredOutputsParams
-from nebula_engine.kvcache.events import CacheKind, EvictEvent, MoveEvent, StoreEvent
+from nebula_engine.kvcache.events import CacheEvent, CacheKind, EvictEvent, MoveEvent, StoreEvent, Tier
 from nebula_engine.kvcache.pool import OutOfPagesError
 from nebula_engine.pic.layout import CombineLayout
 from nebula_engine.pic.segments import PromptSegment, SegmentedPrompt, SegmentKind
@@ -572,9 +573,13 @@ class WorkerService:
         first, self._next_seq = self._next_seq, self._next_seq + count
         return first
 
-    def _report_events(self, events: list[wire.CacheEvent], snapshot: bool = False) -> None:
-        self._report(wire.CacheEventMsg(sender=self.name, worker_index=self.worker_index,
-                                        first_seq=self._take_seqs(len(events)), events=events, snapshot=snapshot))
+    def _report_events(self, events: list[CacheEvent], snapshot: bool = False) -> None:
+        """Send ``events`` renumbered in this worker's sequence (the engine's own numbers count cache events only)."""
+        first = self._take_seqs(len(events))
+        numbered = [msgspec.structs.replace(event, worker=self.worker_index, seq=first + i)
+                    for i, event in enumerate(events)]
+        self._report(wire.CacheEventMsg(sender=self.name, worker_index=self.worker_index, events=numbered,
+                                        snapshot=snapshot))
 
     def _report_prompt_cached(self, segmented: SegmentedPrompt, spec: str | None) -> None:
         """Ask the engine thread to report the prompt's cached segments as PC entries (segment granularity)."""
@@ -585,7 +590,7 @@ class WorkerService:
         if engine.scheduler.prefix_cache is None:
             return
 
-        def collect(engine: LLMEngine) -> list[wire.CacheEvent]:
+        def collect(engine: LLMEngine) -> list[CacheEvent]:
             keys = prompt_keys("", [(s.kind.value, segmented.segment_ids(s)) for s in segmented.segments],
                                lambda ids: self.pic_key(spec, ids))
             radix, page_size = engine.cache_store.radix, engine.cache_store.page_size
@@ -596,7 +601,7 @@ class WorkerService:
                 if len(match.pages) < pages:
                     break  # this segment's last page is not (or no longer) cached
                 self._pc_page_keys.setdefault(match.last_node.block_hash, set()).add(key)
-                events.append(wire.CacheEvent("store", "pc", key, segment.end, "device"))
+                events.append(StoreEvent(self.worker_index, 0, CacheKind.PC, (key,), segment.end))
             return events
 
         events = await self.engine.call(collect)
@@ -615,27 +620,24 @@ class WorkerService:
             drained = store.drain_events()
             if snapshot:  # every PIC entry with the tier it is on (PC is reported per segment, by _pc_events)
                 lower = store.tiers.entries() if store.tiers else ()
-                return [wire.CacheEvent("store", "pic", e.key, e.num_tokens, "device") for e in store.pic.entries()] + \
-                    [wire.CacheEvent("store", "pic", key, tokens, tier.value) for kind, key, tier, tokens in lower
-                     if kind is CacheKind.PIC]
-            return [event for raw in drained for event in self._translate(raw)]
+                return [StoreEvent(self.worker_index, 0, CacheKind.PIC, (e.key,), e.num_tokens)
+                        for e in store.pic.entries()] + \
+                    [StoreEvent(self.worker_index, 0, CacheKind.PIC, (key,), tokens, tier)
+                     for kind, key, tier, tokens in lower if kind is CacheKind.PIC]
+            return [event for raw in drained for event in self._for_router(raw)]
 
         events = await self.engine.call(drain)
         if events or snapshot:
             self._report_events(events, snapshot)
 
-    def _translate(self, event) -> list[wire.CacheEvent]:
-        if isinstance(event, EvictEvent) or (isinstance(event, MoveEvent) and event.src.value == "device"):
+    def _for_router(self, event: CacheEvent) -> list[CacheEvent]:
+        """What the router hears of one engine event: a PIC event as it is; of a PC page event only the loss of
+        the prompt segments whose last page it takes off the device (PC stores are reported by ``_pc_events``)."""
+        if isinstance(event, EvictEvent) or (isinstance(event, MoveEvent) and event.src is Tier.DEVICE):
             self.evictions[event.kind.value] += len(event.keys)
-        if event.kind is CacheKind.PC:  # page events: only the loss of a segment's last page matters here
-            if isinstance(event, EvictEvent) or (isinstance(event, MoveEvent) and event.dst.value != "device"):
-                return [wire.CacheEvent("evict", "pc", key, 0, "device")
-                        for page in event.keys for key in self._pc_page_keys.pop(page, ())]
-            return []
-        key = event.keys[0]
-        if isinstance(event, StoreEvent):
-            return [wire.CacheEvent("store", "pic", key, event.num_tokens, event.tier.value)]
-        if isinstance(event, EvictEvent):
-            return [wire.CacheEvent("evict", "pic", key, event.num_tokens, event.tier.value)]
-        return [wire.CacheEvent("evict", "pic", key, event.num_tokens, event.src.value),
-                wire.CacheEvent("store", "pic", key, event.num_tokens, event.dst.value)]
+        if event.kind is CacheKind.PIC:
+            return [event]
+        if isinstance(event, EvictEvent) or (isinstance(event, MoveEvent) and event.dst is not Tier.DEVICE):
+            return [EvictEvent(self.worker_index, 0, CacheKind.PC, (key,), 0)
+                    for page in event.keys for key in self._pc_page_keys.pop(page, ())]
+        return []

@@ -35,8 +35,7 @@ from typing import Callable, Sequence
 
 from nebula_engine.cluster.control.config import ClusterConfig
 from nebula_engine.cluster.control.control_plane import ControlPlane
-from nebula_engine.cluster.control.messages import (Action, CacheKind, DoneEvent, EvictEvent, PrefillPlan, StoreEvent,
-                                            Tier)
+from nebula_engine.cluster.control.messages import Action, CacheKind, DoneEvent, PrefillPlan, Tier
 from nebula_engine.cluster.control.policies import CACHES, default_cache
 from nebula_engine.cluster.control.request_keys import RequestKeys
 from nebula_engine.cluster.sim.hardware import Links, make_processors
@@ -191,13 +190,9 @@ class Simulator:
         self.at(now + self.cluster.event_delay_s, lambda t, e=event: self.control.on_event(e, t))
 
     def _apply(self, worker: int, changes: list[CacheChange], now: float) -> None:
-        """Report cache changes as the worker does: a tier move is an evict there and a store here."""
+        """Report cache changes as the worker does: one event each (a tier move is one event)."""
         for change in changes:
-            if change.src is not None:
-                self._emit(worker, lambda s, c=change: EvictEvent(worker, s, c.kind, c.key, c.src), now)
-            if change.dst is not None:
-                self._emit(worker, lambda s, c=change: StoreEvent(worker, s, c.kind, c.key, c.num_tokens, c.dst),
-                           now)
+            self._emit(worker, lambda s, c=change: c.event(worker, s), now)
 
     # ---- dispatch of one plan -----------------------------------------------------------------
     def _dispatch(self, state: RequestState, now: float) -> None:

@@ -6,7 +6,7 @@ the least recent entry of either type; ``fixed-partition`` gives each type a har
 no borrowing. LRU within a type. As on the workers (``kvcache.tiers``), an entry evicted from the device
 is demoted to the host tier when there is one, the host tier drops its overflow, a host hit is promoted
 back to the device, and a fresh device copy replaces a lower one. Every change is reported as a
-:class:`CacheChange`, which the simulator turns into the worker's store / evict events.
+:class:`CacheChange`, which the simulator turns into the worker's cache event (``kvcache.events``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from nebula_engine.cluster.control.messages import CacheKind, Tier
+from nebula_engine.cluster.control.messages import CacheEvent, CacheKind, EvictEvent, MoveEvent, StoreEvent, Tier
 
 EVICTION_RULES = ("soft-share", "unified-lru", "fixed-partition")
 
@@ -29,6 +29,15 @@ class CacheChange:
     num_tokens: int
     src: Tier | None
     dst: Tier | None
+
+    def event(self, worker: int, seq: int) -> CacheEvent:
+        """This change as ``worker`` reports it: a store, an evict or a tier move, numbered ``seq``."""
+        keys = (self.key,)
+        if self.src is None:
+            return StoreEvent(worker, seq, self.kind, keys, self.num_tokens, self.dst)
+        if self.dst is None:
+            return EvictEvent(worker, seq, self.kind, keys, self.num_tokens, self.src)
+        return MoveEvent(worker, seq, self.kind, keys, self.num_tokens, self.src, self.dst)
 
 
 class TierStore:
