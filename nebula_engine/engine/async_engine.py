@@ -2,8 +2,11 @@
 
 Invariants:
 - The loop thread is the only thread that calls into the engine's mutable state (``add_request``,
-  ``abort_request``, ``step``). Callers only read constants set in ``LLMEngine.__init__``
-  (``validate_request``, ``max_model_len``, ``tokenizer``) and the thread-safe grammar compiler's cache.
+  ``abort_request``, ``step``, and whatever a ``call`` runs there between two steps). Other threads only read
+  what ``LLMEngine.__init__`` fixed: ``validate_request``, ``resolve_request_backend`` and ``segment_key`` (pure
+  functions of the model and config), ``max_model_len``, ``tokenizer``, the KV pool's geometry and tensors, and
+  the thread-safe grammar compiler's cache. A cluster peer's worker reaches the engine only through
+  ``engine.cluster_port.EngineClusterPort``, which follows this rule.
 - Callers hand commands over through a deque guarded by a condition variable; the loop thread sleeps on it
   while the engine is idle, so an idle engine costs nothing and a new request wakes it at once.
 - Each request's outputs are delivered on the caller's own event loop (``call_soon_threadsafe``), in order;
@@ -149,7 +152,8 @@ class AsyncLLMEngine:
     async def call(self, fn):
         """Run ``fn(engine)`` on the loop thread between two steps and return its result (or raise its error).
 
-        This is how other components (the cluster worker) touch engine state without racing the loop."""
+        This is how other components (the cluster's ``EngineClusterPort``) touch engine state without racing the
+        loop."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         with self._wakeup:

@@ -48,7 +48,7 @@ def move_to_shared_memory(storage: KVCacheStorage) -> None:
 def serve_pool(conn, name: str, head_dim: int, fill_base: float) -> None:
     """Pool process: build the storage and agent, then run agent methods sent over ``conn``."""
     storage = make_storage(head_dim, fill_base)
-    agent = KVTransferAgent.for_storage(name, storage)
+    agent = KVTransferAgent(name, pool_tensors(storage))
     pool_commands = {
         # clones: pickling a tensor through a pipe moves its storage to shared memory, away from the
         # address NIXL registered

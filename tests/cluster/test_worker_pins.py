@@ -11,6 +11,7 @@ from nebula_engine.cluster.runtime import wire
 from nebula_engine.cluster.runtime.liveness import Liveness
 from nebula_engine.cluster.runtime.worker import WorkerService
 from nebula_engine.engine.async_engine import AsyncLLMEngine
+from nebula_engine.engine.cluster_port import EngineClusterPort
 from nebula_engine.pic.segments import PromptSegment, SegmentedPrompt, SegmentKind
 
 
@@ -19,8 +20,9 @@ def worker_with_dead_holder(engine: AsyncLLMEngine) -> tuple[WorkerService, list
     clock, sent = Clock(), []
     liveness = Liveness("me", ["me", "holder"], dead_after_s=3.0, clock=clock)
     clock.now += 10.0
-    worker = WorkerService("me", "prefill", 0, engine, agent=None, send=lambda peer, msg: sent.append((peer, msg)),
-                           leader=lambda: "me", pic_key=lambda spec, ids: "key", liveness=liveness)
+    worker = WorkerService("me", "prefill", 0, EngineClusterPort(engine), agent=None,
+                           send=lambda peer, msg: sent.append((peer, msg)), leader=lambda: "me",
+                           pic_key=lambda spec, ids: "key", liveness=liveness)
     return worker, sent
 
 

@@ -4,5 +4,6 @@
 talk over an authenticated ZMQ ``transport`` (``auth``, ``wire`` messages) and move KV pages with
 ``transfer`` (NIXL); ``election`` picks the router by Raft and ``liveness`` tracks peers. The ``router``
 runs the control plane; a ``worker`` drives its engine only through ``engine.cluster_port``; the
-``frontend`` serves the OpenAI API and forwards requests to workers.
+``frontend`` serves the OpenAI API and forwards requests to workers. Beside it, a peer serves ``metrics``
+(Prometheus) and ``status`` (``GET /cluster``), and plans with ``cost_profile`` (its engine's measured costs).
 """

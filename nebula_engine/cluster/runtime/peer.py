@@ -1,4 +1,6 @@
-"""One engine peer process of a cluster: engine + data plane + (when elected) router + HTTP front end.
+"""One engine peer process of a cluster, and its composition root: builds the engine, its cluster port, the data
+plane (worker, NIXL agent), the router (active when elected), the election and the HTTP front end, wires them
+together and routes each incoming message to the component that handles it.
 
 Everything but the engine loop and NIXL reads runs on one asyncio loop: the ZMQ inbox, the router (only
 active on the leader), the worker's command handlers, the front end and the uvicorn server. A peer only learns
@@ -19,20 +21,21 @@ import json
 import logging
 import os
 import signal
-from dataclasses import replace
 from pathlib import Path
 
 from nebula_engine.cluster.runtime import wire
 from nebula_engine.cluster.runtime.auth import SecretError, cluster_secret, derive_key
-from nebula_engine.cluster.control.config import ClusterConfig, ClusterProfile, TransferLink
-from nebula_engine.cluster.runtime.election import ETCD_PASSWORD_ENV, EtcdAccess, EtcdElection, LeaderElection, RaftElection
+from nebula_engine.cluster.runtime.cost_profile import measured_cluster_config
+from nebula_engine.cluster.runtime.election import ETCD_PASSWORD_ENV, ElectionSpec, EtcdAccess, make_election
 from nebula_engine.cluster.runtime.frontend import ClusterFrontend
 from nebula_engine.cluster.runtime.liveness import HEARTBEAT_S, Liveness
 from nebula_engine.cluster.runtime.router import RouterService
 from nebula_engine.cluster.runtime.spec import API_KEY_ENV, ClusterSpec, PeerSettings, check_secured
+from nebula_engine.cluster.runtime.status import add_cluster_route
 from nebula_engine.cluster.runtime.transfer import KVTransferAgent, TransferError, confine_ucx_to
 from nebula_engine.cluster.runtime.transport import Messenger
 from nebula_engine.cluster.runtime.worker import WorkerService, backend_arg
+from nebula_engine.engine.cluster_port import EngineClusterPort
 
 logger = logging.getLogger(__name__)
 
@@ -52,84 +55,48 @@ class Peer:
         self.served_model_name = served_model_name
         self.leader_name: str | None = None
         self._stopping = asyncio.Event()
-        self._hello_sent: set[str] = set()
 
     # ---- startup ----
-    def _build(self) -> None:
+    async def _build(self) -> None:
         from nebula_engine.config import EngineConfig
         from nebula_engine.engine.async_engine import AsyncLLMEngine
-        from nebula_engine.pic.backends.base import has_linear_attention
 
         options = {**self.engine_options, "worker_id": max(self.me.worker_index, 0)}
         self.engine = AsyncLLMEngine.from_config(EngineConfig.create(self.model, **options))
-        storage = self.engine.engine.model_runner.kv_storage
+        self.port = EngineClusterPort(self.engine)
         confine_ucx_to(self.me.host)
-        self.agent = KVTransferAgent.for_storage(self.name, storage)
+        self.agent = KVTransferAgent(self.name, self.port.transfer_tensors())
         self.messenger = Messenger(self.name, f"tcp://{self.me.host}:{self.me.ctrl_port}",
                                    {p.name: p.ctrl_address for p in self.spec.peers if p.name != self.name},
                                    self.settings.cluster_secret)
         settings, peer_names = self.settings, [p.name for p in self.spec.peers]
         self.liveness = Liveness(self.name, peer_names, settings.peer_timeout_s)
-        self.worker = WorkerService(self.name, self.me.role, self.me.worker_index, self.engine, self.agent,
+        self.worker = WorkerService(self.name, self.me.role, self.me.worker_index, self.port, self.agent,
                                     self.send, lambda: self.leader_name, self._pic_key, self.liveness)
         self.worker.local_router = self.dispatch
-        model = self.engine.engine.model_runner.model
+        config = measured_cluster_config(self.spec, self.port.kv_geometry, await self.port.prefill_seconds_per_token())
         self.router = RouterService(self.name, [p.name for p in self.spec.prefill_peers],
-                                    [p.name for p in self.spec.decode_peers], self._cluster_config(), self.spec.policy,
-                                    self.send, self._pic_key, decode_here=has_linear_attention(model),
+                                    [p.name for p in self.spec.decode_peers], config, self.spec.policy,
+                                    self.send, self._pic_key, decode_here=self.port.has_linear_attention,
                                     dead_after_s=settings.peer_timeout_s)
-        self.election = self._election()
+        self.election = make_election(self._election_spec())
         self.frontend = ClusterFrontend(self.name, self.engine, self.messenger.send, lambda: self.leader_name,
                                         lambda: self.election.has_quorum, self.dispatch,
                                         [p.name for p in self.spec.prefill_peers], self.liveness,
                                         settings.failover_timeout_s, max_losses=len(peer_names))
 
-    def _cluster_config(self) -> ClusterConfig:
-        """The planner's cost model for this machine: the engine's real KV size, loopback NIXL bandwidth."""
-        engine = self.engine.engine
-        storage = engine.model_runner.kv_storage
-        bytes_per_token = sum(t[0].numel() * t.element_size() for tensors in storage.layer_caches for t in tensors
-                              ) // storage.page_size
-        base = ClusterProfile.load()
-        # loopback NIXL moves ~1 GB/s; a read's fixed cost (pin and insert between engine steps) is the spec's
-        # remote_read_latency_s, paid once per source (TransferCosts.latency)
-        loopback = TransferLink(bandwidth_bytes_per_s=1.0e9, latency_s=self.spec.remote_read_latency_s)
-        profile = replace(base, name="local-cpu", kv_bytes_per_token=max(1, bytes_per_token), intra_node=loopback,
-                          inter_node=loopback, gpus_per_node=len(self.spec.peers),
-                          cache_capacity_tokens=storage.num_pages * storage.page_size,
-                          prefill=replace(base.prefill, per_token_s=self._measure_prefill_per_token(), fixed_s=0.01))
-        return ClusterConfig(num_prefill_workers=len(self.spec.prefill_peers), profile=profile)
-
-    def _measure_prefill_per_token(self, tokens: int = 256) -> float:
-        """Seconds per prefilled token of this model here (best of 3 forwards): the planner's cost unit."""
-        import time
-
-        import torch
-
-        from nebula_engine.kernels.attention import AttentionContext
-
-        model = self.engine.engine.model_runner.model
-        device = next(model.parameters()).device
-        ids = torch.randint(100, 1000, (tokens,), device=device)
-        best = float("inf")
-        with torch.inference_mode():
-            for _ in range(3):
-                start = time.perf_counter()
-                model.forward(ids, torch.arange(tokens, device=device), AttentionContext.dense([tokens]))
-                best = min(best, time.perf_counter() - start)
-        return best / tokens
-
     def _pic_key(self, spec: str | None, ids: list[int]) -> str:
-        return self.engine.engine.segment_key(backend_arg(spec), ids)
+        return self.port.segment_key(backend_arg(spec), ids)
 
-    def _election(self) -> LeaderElection:
+    def _election_spec(self) -> ElectionSpec:
+        """etcd leases when the spec names an etcd, else Raft among the peers (authenticated by the cluster
+        secret)."""
         if self.spec.etcd:
-            host, _, port = self.spec.etcd.rpartition(":")
-            return EtcdElection(self.name, host, int(port), access=self.settings.etcd_access)
-        peers = {p.name: f"{p.host}:{p.raft_port}" for p in self.spec.peers}
+            return ElectionSpec(self.name, backend="etcd", etcd_endpoint=self.spec.etcd,
+                                etcd_access=self.settings.etcd_access)
         secret = self.settings.cluster_secret
-        password = derive_key(secret, "raft/v1").hex() if secret else None
-        return RaftElection(self.name, peers[self.name], peers, password)
+        return ElectionSpec(self.name, raft_peers={p.name: f"{p.host}:{p.raft_port}" for p in self.spec.peers},
+                            raft_password=derive_key(secret, "raft/v1").hex() if secret else None)
 
     # ---- messaging ----
     def send(self, peer: str, message: wire.Msg) -> None:
@@ -161,7 +128,7 @@ class Peer:
             case wire.SnapshotRequest():
                 spawn(self.worker.pump_events(snapshot=True))
             case wire.PCShare():
-                spawn(self.engine.call(lambda e: e.cache_store and e.cache_store.set_pc_share(msg.pc_share)))
+                spawn(self.port.set_pc_share(msg.pc_share))
             case wire.CacheEventMsg():
                 self.router.on_cache_events(msg)
             case wire.TaskDone():
@@ -220,9 +187,10 @@ class Peer:
     async def run(self) -> None:
         import uvicorn
 
+        from nebula_engine.cluster.runtime.metrics import ClusterCollector
         from nebula_engine.server.api import build_app
 
-        self._build()
+        await self._build()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._stopping.set)
@@ -233,22 +201,8 @@ class Peer:
         self.election.start()
         app = build_app(self.frontend, self.served_model_name, api_key=self.settings.api_key,
                         max_request_bytes=self.settings.max_request_bytes)
-        self._register_metrics(app)
-
-        @app.get("/cluster")
-        async def cluster_state() -> dict:
-            """This peer's view of the cluster (for operators and tests)."""
-            engine = self.engine.stats()
-            return {"name": self.name, "role": self.me.role, "leader": self.leader_name,
-                    "quorum": self.election.has_quorum, "dropped_frames": self.messenger.num_dropped,
-                    "engine": {"running": engine.num_running, "waiting": engine.num_waiting},
-                    "router": {"active": self.router.active, "in_flight": len(self.router.in_flight),
-                               "planned": self.router.num_planned, "lost": self.router.num_lost,
-                               "dead": sorted(self.router.dead)},
-                    "transfer_bytes": self.worker.transfer_bytes, "transfer_failures": self.worker.transfer_failures,
-                    "resubmitted": self.frontend.num_resubmitted, "nixl_peers": sorted(self.agent.peers),
-                    "pic": vars(self.engine.engine.model_runner.pic_executor.stats)
-                    if self.engine.engine.model_runner.pic_executor else {}}
+        app.state.metrics.register(ClusterCollector(self.worker, self.router))
+        add_cluster_route(app, self)
         server = uvicorn.Server(uvicorn.Config(app, host=self.me.api_host, port=self.me.http_port,
                                                log_level="warning", lifespan="off"))
         server.install_signal_handlers = lambda: None
@@ -294,34 +248,6 @@ class Peer:
                     logger.exception("sending cache events failed")
             if self.router.active and beat % 5 == 0:
                 self.router.check_liveness()
-
-    def _register_metrics(self, app) -> None:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        peer = self
-
-        class ClusterCollector:
-            def collect(self):
-                moved = CounterMetricFamily("nebula_kv_transfer_bytes", "KV bytes read from other peers (NIXL)")
-                moved.add_metric([], peer.worker.transfer_bytes)
-                yield moved
-                failed = CounterMetricFamily("nebula_kv_transfer_failures", "KV reads that failed and were recomputed")
-                failed.add_metric([], peer.worker.transfer_failures)
-                yield failed
-                evictions = CounterMetricFamily("nebula_cache_evictions", "Cache entries evicted from the device",
-                                                labels=["kind"])
-                for kind in ("pc", "pic"):
-                    evictions.add_metric([kind], peer.worker.evictions[kind])
-                yield evictions
-                leader = GaugeMetricFamily("nebula_is_leader", "1 on the peer that runs the router")
-                leader.add_metric([], 1.0 if peer.router.active else 0.0)
-                yield leader
-                if peer.router.active:
-                    inflight = GaugeMetricFamily("nebula_router_in_flight", "Requests planned, combine not done")
-                    inflight.add_metric([], len(peer.router.in_flight))
-                    yield inflight
-
-        app.state.metrics.register(ClusterCollector())
 
 
 def settings_from_args(args: argparse.Namespace) -> PeerSettings:

@@ -15,6 +15,7 @@ import logging
 import socket
 from dataclasses import asdict, dataclass, field
 
+from nebula_engine.cluster.control.policies import POLICIES
 from nebula_engine.cluster.runtime.auth import SECRET_ENV, SecretError
 from nebula_engine.cluster.runtime.election import EtcdAccess
 from nebula_engine.cluster.runtime.liveness import DEFAULT_DEAD_AFTER_S, DEFAULT_FAILOVER_TIMEOUT_S
@@ -22,7 +23,6 @@ from nebula_engine.server.limits import DEFAULT_MAX_REQUEST_BYTES
 
 logger = logging.getLogger(__name__)
 
-POLICIES = ("pc", "local-pic", "nebula")
 API_KEY_ENV = "NEBULA_API_KEY"
 
 
@@ -64,7 +64,7 @@ class ClusterSpec:
         if not self.remote_read_latency_s >= 0:
             raise ValueError(f"remote_read_latency_s must be >= 0, got {self.remote_read_latency_s}")
         if self.policy not in POLICIES:
-            raise ValueError(f"unknown cluster policy {self.policy!r}; choose from {POLICIES}")
+            raise ValueError(f"unknown cluster policy {self.policy!r}; choose from {tuple(POLICIES)}")
         if not any(p.role == "prefill" for p in self.peers):
             raise ValueError("a cluster needs at least one prefill peer")
         if len({p.name for p in self.peers}) != len(self.peers):

@@ -251,11 +251,6 @@ class KVTransferAgent:
                 except Exception:  # a failing progress call must not kill serving; reads time out instead
                     continue
 
-    @classmethod
-    def for_storage(cls, name: str, storage, *, backend: str = "UCX") -> KVTransferAgent:
-        """An agent over every attention layer's tensors of a ``KVCacheStorage`` (not its state slots)."""
-        return cls(name, [t for layer in storage.layer_caches for t in layer], backend=backend)
-
     @property
     def layout(self) -> PoolLayout:
         return self._layout

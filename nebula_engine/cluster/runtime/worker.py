@@ -12,7 +12,8 @@
 - Cache events (PIC stores/evicts, plus one PC event per cached prompt segment) and task completions go to the
   router. A failed or timed-out transfer never produces a wrong result: the segment is simply computed here.
 
-Engine state is only touched through ``AsyncLLMEngine.call`` (the engine's own thread).
+The engine is reached only through its ``EngineClusterPort``, whose cache operations run on the engine's own
+thread; this worker's own state (pins held for readers, pending replies, PC keys) lives on the event loop.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ from nebula_engine.cluster.runtime import wire
 from nebula_engine.cluster.runtime.liveness import Liveness
 from nebula_engine.cluster.control.request_keys import prompt_keys
 from nebula_engine.cluster.runtime.transfer import KVTransferAgent, TransferError
-from nebula_engine.engine.async_engine import AsyncLLMEngine
-from nebula_engine.engine.llm_engine import DEFAULT_BACKEND, LLMEngine
+from nebula_engine.engine.cluster_port import EngineClusterPort, PrefixPin, SegmentPin
+from nebula_engine.engine.llm_engine import DEFAULT_BACKEND
 from nebula_engine.engine.outputs import RequestOutput
 from nebula_engine.engine.sampling_params import SamplingParams
 from nebula_engine.engine.structured_outputs import StructuredOutputsParams
@@ -111,7 +112,7 @@ def _state_from_bytes(data: bytes) -> dict:
 
 
 class WorkerService:
-    def __init__(self, name: str, role: str, worker_index: int, engine: AsyncLLMEngine, agent: KVTransferAgent,
+    def __init__(self, name: str, role: str, worker_index: int, engine: EngineClusterPort, agent: KVTransferAgent,
                  send: Callable[[str, wire.Msg], None], leader: Callable[[], str | None],
                  pic_key: Callable[[str | None, list[int]], str], liveness: Liveness):
         self.name, self.role, self.worker_index = name, role, worker_index
@@ -127,8 +128,8 @@ class WorkerService:
         self._abandoned_pins: collections.OrderedDict[str, wire.Msg] = collections.OrderedDict()
         self._appeared: dict[str, asyncio.Event] = {}  # PIC key -> set when a task computing it here is done
         self._computing: dict[str, int] = {}  # PIC key -> tasks (scatter or combine) computing it here
-        self._pinned: dict[str, list] = {}  # key -> locked entries pinned for remote readers
-        self._pinned_prefixes: dict[tuple[str, str], Any] = {}  # (reader, tag) -> locked radix node
+        self._pinned: dict[str, list[SegmentPin]] = {}  # key -> pins held for remote readers
+        self._pinned_prefixes: dict[tuple[str, str], PrefixPin] = {}  # (reader, tag) -> pin held for it
         self._handoffs: dict[str, asyncio.Future] = {}  # request id -> done when the decode peer has read
         self._streams: dict[str, asyncio.Task] = {}  # request id -> task serving it here
         self._pc_page_keys: dict[str, set[str]] = {}  # radix page hash -> segment chain keys ending in it
@@ -165,14 +166,7 @@ class WorkerService:
     async def on_scatter(self, msg: wire.Scatter) -> None:
         self._start_computing([msg.key])
         try:
-            backend = self.engine.engine.resolve_request_backend(backend_arg(msg.pic_backend))
-
-            def prefill(engine: LLMEngine) -> None:
-                found = engine.model_runner.pic_executor.lookup_or_prefill(backend, msg.token_ids)
-                if found is not None:
-                    engine.cache_store.pic.unlock(found)
-
-            await self.engine.call(prefill)
+            await self.engine.prefill_segment(backend_arg(msg.pic_backend), msg.token_ids)
         except Exception:
             logger.exception("scatter prefill %s failed", msg.task_id)
         finally:
@@ -228,25 +222,13 @@ class WorkerService:
         """Prefill the combine's cold segments planned on this worker into its PIC store; the PIC indices of those
         it computed (their tokens are no cache hits when the combine finds them). On failure the combine computes
         them itself."""
-        segments = {index: list(segmented.segment_ids(segmented.pic_segments[index])) for index in msg.compute_here}
-
-        def prefill(engine: LLMEngine) -> list[int]:
-            backend = engine.resolve_request_backend(backend_arg(msg.pic_backend))
-            if backend is None:
-                return []
-            cold = [index for index, ids in segments.items()
-                    if engine.cache_store.pic.lookup(self.pic_key(msg.pic_backend, ids)) is None]
-            entries = engine.model_runner.pic_executor.lookup_or_prefill_many(backend, [segments[i] for i in cold])
-            for entry in entries:
-                if entry is not None:
-                    engine.cache_store.pic.unlock(entry)
-            return [index for index, entry in zip(cold, entries) if entry is not None]
-
+        segments = [list(segmented.segment_ids(segmented.pic_segments[index])) for index in msg.compute_here]
         try:
-            return await self.engine.call(prefill)
+            made = await self.engine.prefill_missing_segments(backend_arg(msg.pic_backend), segments)
         except Exception:
             logger.exception("prefilling the local segments of %s failed; the combine computes them", msg.request_id)
             return []
+        return [index for index, made_here in zip(msg.compute_here, made) if made_here]
 
     def _fail(self, msg: wire.Combine | wire.Handoff, message: str, client_error: bool,
               resumable: bool = False) -> None:
@@ -267,7 +249,7 @@ class WorkerService:
         completion = first.outputs[0]
         done_here = completion.finish_reason == "stop" or params.max_tokens == 1
         if done_here:  # finished on its first token: nothing to hand off
-            await self.engine.call(lambda e: e.release_held(engine_id))
+            await self.engine.release_held(engine_id)
             self.send(msg.frontend, output_to_wire(self.name, msg.request_id, first, msg.attempt,
                                                    fresh_tokens=fresh_tokens))
             return
@@ -276,7 +258,7 @@ class WorkerService:
         first_wire = output_to_wire(self.name, msg.request_id, first, msg.attempt, handoff_to=msg.decode_peer,
                                     fresh_tokens=fresh_tokens)
         self.send(msg.frontend, first_wire)  # TTFT
-        pages = await self.engine.call(lambda e: e.held_block_table(engine_id))
+        pages = await self.engine.held_pages(engine_id)
         handoff_done = asyncio.get_running_loop().create_future()
         self._handoffs[engine_id] = handoff_done
         self.send(msg.decode_peer, wire.Handoff(
@@ -288,7 +270,7 @@ class WorkerService:
             outcome = await self._unless_dead(handoff_done, msg.decode_peer, HANDOFF_TIMEOUT_S)
         finally:
             self._handoffs.pop(engine_id, None)
-            await self.engine.call(lambda e: e.release_held(engine_id))
+            await self.engine.release_held(engine_id)
         if outcome != "done":
             logger.warning("decode peer %s did not take the hand-off of %s (%s)", msg.decode_peer, msg.request_id,
                            outcome)
@@ -324,9 +306,8 @@ class WorkerService:
         self._pin_replies[tag] = reply_future
         self.send(source.peer, wire.PinSegment(sender=self.name, tag=tag, key=source.key, num_tokens=len(ids),
                                                wait_s=PIN_TIMEOUT_S / 2))
-        page_size = self.engine.engine.cache_store.page_size
-        allocation = asyncio.ensure_future(self._allocate(  # unless it arrived here meanwhile
-            -(-len(ids) // page_size), needed=lambda e: e.cache_store.pic.lookup(source.key) is None))
+        allocation = asyncio.ensure_future(self.engine.allocate_pages(  # unless it arrived here meanwhile
+            -(-len(ids) // self.engine.page_size), unless_cached=source.key))
         try:
             outcome = await self._unless_dead(reply_future, source.peer, PIN_TIMEOUT_S)
         except asyncio.CancelledError:
@@ -353,25 +334,12 @@ class WorkerService:
             logger.debug("segment of %d tokens from %s: pinned after %.4f s, in the store after %.4f s%s", len(ids),
                          source.peer, pinned - start, time.monotonic() - start, " (prefilled for it)" * source.fresh)
 
-    async def _allocate(self, num_pages: int, needed=lambda engine: True) -> list[int] | None:
-        """``num_pages`` free local pages (taken on the engine thread); None when ``needed(engine)`` says no or the
-        pool is full."""
-        def allocate(engine: LLMEngine):
-            if not needed(engine):
-                return None
-            try:
-                return engine.cache_store.pool.allocate(num_pages)
-            except OutOfPagesError:
-                return None
-
-        return await self.engine.call(allocate)
-
     async def _release_when_allocated(self, allocation: asyncio.Future) -> None:
         await self._release(await allocation)
 
     async def _release(self, pages: list[int] | None) -> None:
         if pages:
-            await self.engine.call(lambda e: e.cache_store.pool.release(pages))
+            await self.engine.release_pages(pages)
 
     async def _read_into(self, holder: str, remote_pages: list[int], pages: list[int], what: str) -> bool:
         """Read ``holder``'s ``remote_pages`` into local ``pages``; on failure the pages are released (and ``what`` is
@@ -395,26 +363,18 @@ class WorkerService:
             return False
         if not await self._read_into(source.peer, reply.pages, pages, source.key):
             return False
-        state = _state_from_bytes(reply.state)
-
-        def insert(engine: LLMEngine) -> None:
-            entry = engine.cache_store.insert_segment(source.key, len(ids), pages, state)
-            engine.cache_store.pic.unlock(entry)
-            engine.cache_store.pool.release(pages)  # the store holds its own reference
-
-        await self.engine.call(insert)
+        await self.engine.import_segment(source.key, len(ids), pages, _state_from_bytes(reply.state))
         return True
 
     async def _fetch_prefix(self, msg: wire.Combine) -> bool:
         """Copy the prompt's first ``msg.prefix_tokens`` tokens' pages from ``msg.prefix_peer``'s prefix cache into
         this peer's (as its own prefill would have cached them); the engine then finds them as a prefix hit. What
         is already cached here is not read again; on any failure the prefix is simply computed."""
-        page_size = self.engine.engine.cache_store.page_size
+        page_size = self.engine.page_size
         # the last prompt token is always computed: a prefix covering the whole prompt is cut a page short
         num_pages = min(msg.prefix_tokens, len(msg.token_ids) - 1) // page_size
         wanted = list(msg.token_ids[:num_pages * page_size])
-        held_here = await self.engine.call(lambda e: len(e.cache_store.radix.match_prefix(wanted).pages))
-        if held_here >= num_pages:
+        if await self.engine.cached_prefix_pages(wanted) >= num_pages:
             return False
         tag = f"{self.name}/{next(self._tags)}"
         reply_future = asyncio.get_running_loop().create_future()
@@ -437,59 +397,38 @@ class WorkerService:
                 self.send(msg.prefix_peer, wire.UnpinPrefix(sender=self.name, tag=tag))
 
     async def _copy_prefix_in(self, holder: str, token_ids: list[int], remote_pages: list[int]) -> bool:
-        page_size = self.engine.engine.cache_store.page_size
-        pages = await self._allocate(len(remote_pages))
+        pages = await self.engine.allocate_pages(len(remote_pages))
         if pages is None or not await self._read_into(holder, remote_pages, pages, "a prefix"):
             return False
-
-        def insert(engine: LLMEngine) -> None:
-            store = engine.cache_store
-            last = store.insert_prefix(store.radix.root, token_ids[:len(pages) * page_size], pages)  # locked
-            store.radix.dec_lock_ref(last)
-            store.pool.release(pages)  # the tree holds its own reference to the pages it kept
-
-        await self.engine.call(insert)
+        await self.engine.import_prefix(token_ids, pages)
         return True
 
     async def on_pin_prefix(self, msg: wire.PinPrefix) -> None:
-        def pin(engine: LLMEngine):
-            radix = engine.cache_store.radix
-            match = radix.match_prefix(msg.token_ids)
-            if not match.pages:
-                return None
-            radix.inc_lock_ref(match.last_node)
-            self._pinned_prefixes[(msg.sender, msg.tag)] = match.last_node
-            return list(match.pages)
-
-        pages = await self.engine.call(pin)
-        self.send(msg.sender, wire.PinReply(sender=self.name, tag=msg.tag, ok=pages is not None, pages=pages or []))
+        pin = await self.engine.pin_prefix(msg.token_ids)
+        if pin is not None:
+            self._pinned_prefixes[(msg.sender, msg.tag)] = pin
+        self.send(msg.sender, wire.PinReply(sender=self.name, tag=msg.tag, ok=pin is not None,
+                                            pages=list(pin.pages) if pin else []))
 
     async def on_unpin_prefix(self, msg: wire.UnpinPrefix) -> None:
-        def unpin(engine: LLMEngine) -> None:
-            node = self._pinned_prefixes.pop((msg.sender, msg.tag), None)
-            if node is not None:
-                engine.cache_store.radix.dec_lock_ref(node)
-
-        await self.engine.call(unpin)
+        pin = self._pinned_prefixes.pop((msg.sender, msg.tag), None)
+        if pin is not None:
+            await self.engine.unpin_prefix(pin)
 
     async def on_pin(self, msg: wire.PinSegment) -> None:
-        def pin(engine: LLMEngine):
-            entry = engine.cache_store.lookup_segment(msg.key, msg.num_tokens)  # locked
-            if entry is None:
-                return None
-            self._pinned.setdefault(msg.key, []).append(entry)
-            return list(entry.pages), _state_bytes(entry.state)
-
-        found = await self.engine.call(pin)
-        if found is None and msg.wait_s > 0 and msg.key in self._computing:  # a task here is computing it
+        pin = await self.engine.pin_segment(msg.key, msg.num_tokens)
+        if pin is None and msg.wait_s > 0 and msg.key in self._computing:  # a task here is computing it
             try:
                 await asyncio.wait_for(self._appeared[msg.key].wait(), msg.wait_s)
-                found = await self.engine.call(pin)
+                pin = await self.engine.pin_segment(msg.key, msg.num_tokens)
             except asyncio.TimeoutError:
                 pass
-        pages, state = found if found is not None else ([], b"")
-        self.send(msg.sender, wire.PinReply(sender=self.name, tag=msg.tag, ok=found is not None, pages=pages,
-                                            state=state))
+        if pin is None:
+            self.send(msg.sender, wire.PinReply(sender=self.name, tag=msg.tag, ok=False, pages=[], state=b""))
+            return
+        self._pinned.setdefault(msg.key, []).append(pin)
+        self.send(msg.sender, wire.PinReply(sender=self.name, tag=msg.tag, ok=True, pages=list(pin.pages),
+                                            state=_state_bytes(pin.state)))
 
     def _abandon_pin(self, tag: str, unpin: wire.Msg) -> None:
         self._abandoned_pins[tag] = unpin
@@ -506,18 +445,16 @@ class WorkerService:
             self.send(msg.sender, unpin)
 
     async def on_unpin(self, msg: wire.Unpin) -> None:
-        def unpin(engine: LLMEngine) -> None:
-            entries = self._pinned.get(msg.key)
-            if entries:
-                engine.cache_store.pic.unlock(entries.pop())
-                if not entries:
-                    del self._pinned[msg.key]
-
-        await self.engine.call(unpin)
+        pins = self._pinned.get(msg.key)
+        if not pins:
+            return
+        pin = pins.pop()
+        if not pins:
+            del self._pinned[msg.key]
+        await self.engine.unpin_segment(pin)
 
     # ---- decode side ----
     async def on_handoff(self, msg: wire.Handoff) -> None:
-        start = time.monotonic()
         task = asyncio.current_task()
         self._streams[msg.request_id] = task
         params = params_from_wire(msg.params)
@@ -525,7 +462,7 @@ class WorkerService:
         engine_id = engine_request_id(msg.request_id, msg.attempt)
         try:
             try:
-                pages = await self.engine.call(lambda e: e.reserve_prefilled(engine_id, len(prompt)))
+                pages = await self.engine.reserve_prefilled(engine_id, len(prompt))
                 moved = await asyncio.to_thread(self.agent.read_pages, msg.sender, msg.pages[:len(pages)], pages,
                                                 TRANSFER_TIMEOUT_S)
                 self.transfer_bytes += moved
@@ -534,7 +471,7 @@ class WorkerService:
             except (TransferError, ValueError, OutOfPagesError) as error:
                 self.transfer_failures += 1
                 logger.warning("hand-off of %s failed (%s): its front end runs it again", msg.request_id, error)
-                await self.engine.call(lambda e: e.cancel_prefilled(engine_id))
+                await self.engine.cancel_prefilled(engine_id)
                 self._fail(msg, f"decode peer {self.name} could not read its KV: {error}", client_error=False,
                            resumable=True)
                 return
@@ -586,25 +523,17 @@ class WorkerService:
         asyncio.get_running_loop().create_task(self._pc_events(segmented, spec))
 
     async def _pc_events(self, segmented: SegmentedPrompt, spec: str | None) -> None:
-        engine = self.engine.engine
-        if engine.scheduler.prefix_cache is None:
+        if not self.engine.caches_prefixes:
             return
-
-        def collect(engine: LLMEngine) -> list[CacheEvent]:
-            keys = prompt_keys("", [(s.kind.value, segmented.segment_ids(s)) for s in segmented.segments],
-                               lambda ids: self.pic_key(spec, ids))
-            radix, page_size = engine.cache_store.radix, engine.cache_store.page_size
-            events = []
-            for segment, key in zip(segmented.segments, keys.pc_keys):
-                pages = -(-segment.end // page_size)
-                match = radix.match_prefix(list(segmented.token_ids[:pages * page_size]))
-                if len(match.pages) < pages:
-                    break  # this segment's last page is not (or no longer) cached
-                self._pc_page_keys.setdefault(match.last_node.block_hash, set()).add(key)
-                events.append(StoreEvent(self.worker_index, 0, CacheKind.PC, (key,), segment.end))
-            return events
-
-        events = await self.engine.call(collect)
+        keys = prompt_keys("", [(s.kind.value, segmented.segment_ids(s)) for s in segmented.segments],
+                           lambda ids: self.pic_key(spec, ids))
+        page_counts = [-(-segment.end // self.engine.page_size) for segment in segmented.segments]
+        # one hash per segment whose last page is cached, up to the first that is not (or no longer) cached
+        hashes = await self.engine.cached_prefix_hashes(list(segmented.token_ids), page_counts)
+        events = []
+        for segment, key, block_hash in zip(segmented.segments, keys.pc_keys, hashes):
+            self._pc_page_keys.setdefault(block_hash, set()).add(key)
+            events.append(StoreEvent(self.worker_index, 0, CacheKind.PC, (key,), segment.end))
         if events:
             self._report_events(events)
 
@@ -613,20 +542,12 @@ class WorkerService:
         if self.role != "prefill":
             return
 
-        def drain(engine: LLMEngine):
-            store = engine.cache_store
-            if store is None:
-                return []
-            drained = store.drain_events()
-            if snapshot:  # every PIC entry with the tier it is on (PC is reported per segment, by _pc_events)
-                lower = store.tiers.entries() if store.tiers else ()
-                return [StoreEvent(self.worker_index, 0, CacheKind.PIC, (e.key,), e.num_tokens)
-                        for e in store.pic.entries()] + \
-                    [StoreEvent(self.worker_index, 0, CacheKind.PIC, (key,), tokens, tier)
-                     for kind, key, tier, tokens in lower if kind is CacheKind.PIC]
-            return [event for raw in drained for event in self._for_router(raw)]
-
-        events = await self.engine.call(drain)
+        drained = await self.engine.drain_cache_events(snapshot)
+        if snapshot:  # every PIC entry with the tier it is on (PC is reported per segment, by _pc_events)
+            events = [StoreEvent(self.worker_index, 0, CacheKind.PIC, (key,), tokens, tier)
+                      for key, tokens, tier in drained.pic_entries]
+        else:
+            events = [event for raw in drained.events for event in self._for_router(raw)]
         if events or snapshot:
             self._report_events(events, snapshot)
 

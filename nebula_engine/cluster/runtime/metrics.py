@@ -1,0 +1,36 @@
+"""Prometheus metrics of one peer, served on its front end's ``/metrics`` next to the engine's own."""
+
+from __future__ import annotations
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from nebula_engine.cluster.runtime.router import RouterService
+from nebula_engine.cluster.runtime.worker import WorkerService
+
+
+class ClusterCollector:
+    """KV moved between peers and the reads that failed, device evictions, and (on the leader) router load."""
+
+    def __init__(self, worker: WorkerService, router: RouterService):
+        self.worker = worker
+        self.router = router
+
+    def collect(self):
+        moved = CounterMetricFamily("nebula_kv_transfer_bytes", "KV bytes read from other peers (NIXL)")
+        moved.add_metric([], self.worker.transfer_bytes)
+        yield moved
+        failed = CounterMetricFamily("nebula_kv_transfer_failures", "KV reads that failed and were recomputed")
+        failed.add_metric([], self.worker.transfer_failures)
+        yield failed
+        evictions = CounterMetricFamily("nebula_cache_evictions", "Cache entries evicted from the device",
+                                        labels=["kind"])
+        for kind in ("pc", "pic"):
+            evictions.add_metric([kind], self.worker.evictions[kind])
+        yield evictions
+        leader = GaugeMetricFamily("nebula_is_leader", "1 on the peer that runs the router")
+        leader.add_metric([], 1.0 if self.router.active else 0.0)
+        yield leader
+        if self.router.active:
+            in_flight = GaugeMetricFamily("nebula_router_in_flight", "Requests planned, combine not done")
+            in_flight.add_metric([], len(self.router.in_flight))
+            yield in_flight

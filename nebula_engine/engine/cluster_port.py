@@ -1,0 +1,285 @@
+"""``EngineClusterPort``: the one door through which a cluster peer reaches its engine.
+
+A peer needs a handful of cache operations from its engine: pin and unpin what a remote reader copies, take and
+give back pages, store what it read from another peer, prefill segments for the router, name segments, report
+what the cache holds. Each one that touches engine state runs on the engine's own thread
+(``AsyncLLMEngine.call``), between two steps, so it never races the engine loop; each is async.
+
+Only constants set in ``LLMEngine.__init__`` are read directly, from any thread: the page geometry, the KV
+tensors NIXL registers, whether the model has linear-attention layers, and segment keys (a pure function of the
+model, the backend and the token ids). Requests themselves are streamed through the async engine unchanged.
+
+Pins come back as handles (``SegmentPin``, ``PrefixPin``): the pinned pages stay put until the handle is given
+to ``unpin_segment`` / ``unpin_prefix``; the caller keeps track of which reader holds which handle.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Mapping
+
+import torch
+
+from nebula_engine.engine.async_engine import AsyncLLMEngine, EnginePrompt, EngineStats
+from nebula_engine.engine.llm_engine import LLMEngine
+from nebula_engine.engine.outputs import RequestOutput
+from nebula_engine.engine.sampling_params import SamplingParams
+from nebula_engine.kernels.attention import AttentionContext
+from nebula_engine.kvcache.events import CacheKind, Tier
+from nebula_engine.kvcache.pool import OutOfPagesError
+from nebula_engine.pic.backends.base import has_linear_attention
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """How this engine's KV pool is laid out: what a peer's cost model needs."""
+
+    page_size: int  # tokens per page
+    num_pages: int
+    bytes_per_token: int  # K and V of every attention layer
+
+
+@dataclass(frozen=True)
+class SegmentPin:
+    """A PIC store entry locked for a remote reader: ``pages`` hold its K/V, ``state`` what it carries beyond
+    them (linear-attention state; empty for pure attention models)."""
+
+    pages: tuple[int, ...]
+    state: Mapping[str, Any]
+    entry: Any = field(repr=False)  # the locked store entry: only the port looks inside
+
+
+@dataclass(frozen=True)
+class PrefixPin:
+    """Cached prefix pages locked for a remote reader."""
+
+    pages: tuple[int, ...]
+    node: Any = field(repr=False)  # the locked radix node: only the port looks inside
+
+
+@dataclass(frozen=True)
+class CacheDrain:
+    """What the cache reported since the last drain; with a snapshot, also every PIC entry it holds now."""
+
+    events: list  # kvcache.events, oldest first
+    pic_entries: list[tuple[str, int, Tier]] = field(default_factory=list)  # (key, tokens, tier), device first
+
+
+class EngineClusterPort:
+    """The cache operations of one engine a cluster peer uses; see the module docstring for the thread rule.
+
+    ``backend_spec`` arguments are what ``LLMEngine.resolve_request_backend`` takes for a request."""
+
+    def __init__(self, engine: AsyncLLMEngine):
+        self._async = engine
+        self._engine = engine.engine  # read here only for constants; state goes through _call
+        storage = self._engine.model_runner.kv_storage
+        self.page_size: int = storage.page_size
+        self.kv_geometry = KVGeometry(storage.page_size, storage.num_pages, sum(
+            t[0].numel() * t.element_size() for tensors in storage.layer_caches for t in tensors) // storage.page_size)
+        self.has_linear_attention: bool = has_linear_attention(self._engine.model_runner.model)
+        self.caches_prefixes: bool = self._engine.scheduler.prefix_cache is not None
+
+    def transfer_tensors(self) -> list[torch.Tensor]:
+        """Every attention layer's KV tensors (not the linear-attention state slots): what NIXL registers."""
+        return [t for layer in self._engine.model_runner.kv_storage.layer_caches for t in layer]
+
+    def segment_key(self, backend_spec, token_ids) -> str:
+        """``LLMEngine.segment_key``: the PIC store key the router and workers name a segment by."""
+        return self._engine.segment_key(backend_spec, token_ids)
+
+    def stats(self) -> EngineStats:
+        return self._async.stats()
+
+    async def _call(self, fn):
+        return await self._async.call(fn)
+
+    # ---- requests (streamed by the async engine) ----
+    def generate(self, request_id: str, prompt: EnginePrompt, params: SamplingParams,
+                 backend_spec) -> AsyncIterator[RequestOutput]:
+        return self._async.generate(request_id, prompt, params, backend_spec)
+
+    async def generate_held(self, request_id: str, prompt: EnginePrompt, params: SamplingParams,
+                            backend_spec) -> RequestOutput:
+        return await self._async.generate_held(request_id, prompt, params, backend_spec)
+
+    def generate_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token: int,
+                           first_logprob: float, params: SamplingParams,
+                           cached: tuple[int, ...]) -> AsyncIterator[RequestOutput]:
+        return self._async.generate_prefilled(request_id, prompt_token_ids, first_token, first_logprob, params,
+                                              cached)
+
+    # ---- prefill -> decode hand-off ----
+    async def held_pages(self, request_id: str) -> list[int]:
+        """Pages of a finished held request (``generate_held``): its prompt K/V for the decode peer."""
+        return await self._call(lambda e: e.held_block_table(request_id))
+
+    async def release_held(self, request_id: str) -> None:
+        await self._call(lambda e: e.release_held(request_id))
+
+    async def reserve_prefilled(self, request_id: str, num_tokens: int) -> list[int]:
+        """Pages for a request prefilled on another peer (``LLMEngine.reserve_prefilled``)."""
+        return await self._call(lambda e: e.reserve_prefilled(request_id, num_tokens))
+
+    async def cancel_prefilled(self, request_id: str) -> None:
+        await self._call(lambda e: e.cancel_prefilled(request_id))
+
+    # ---- pages ----
+    async def allocate_pages(self, num_pages: int, unless_cached: str | None = None) -> list[int] | None:
+        """``num_pages`` free pages; None when the pool is full, or when the PIC store already holds the segment
+        ``unless_cached`` (then nothing needs copying in)."""
+        def allocate(engine: LLMEngine) -> list[int] | None:
+            if unless_cached is not None and engine.cache_store.pic.lookup(unless_cached) is not None:
+                return None
+            try:
+                return engine.cache_store.pool.allocate(num_pages)
+            except OutOfPagesError:
+                return None
+
+        return await self._call(allocate)
+
+    async def release_pages(self, pages: list[int]) -> None:
+        await self._call(lambda e: e.cache_store.pool.release(pages))
+
+    # ---- PIC segments ----
+    async def pin_segment(self, key: str, num_tokens: int) -> SegmentPin | None:
+        """The segment ``key`` locked on the device (promoted from a lower tier if needed); None on a miss."""
+        def pin(engine: LLMEngine) -> SegmentPin | None:
+            entry = engine.cache_store.lookup_segment(key, num_tokens)  # locked
+            return None if entry is None else SegmentPin(tuple(entry.pages), dict(entry.state), entry)
+
+        return await self._call(pin)
+
+    async def unpin_segment(self, pin: SegmentPin) -> None:
+        await self._call(lambda e: e.cache_store.pic.unlock(pin.entry))
+
+    async def import_segment(self, key: str, num_tokens: int, pages: list[int], state: Mapping[str, Any]) -> None:
+        """Store a segment whose K/V was written into ``pages`` (from ``allocate_pages``); the pages pass to the
+        store (an entry already under ``key`` wins, and the pages are freed)."""
+        def insert(engine: LLMEngine) -> None:
+            entry = engine.cache_store.insert_segment(key, num_tokens, pages, state)
+            engine.cache_store.pic.unlock(entry)
+            engine.cache_store.pool.release(pages)  # the store holds its own reference
+
+        await self._call(insert)
+
+    async def prefill_segment(self, backend_spec, token_ids: list[int]) -> None:
+        """Make sure the segment is in the PIC store: found there, or prefilled alone now (when the pool has
+        room)."""
+        def prefill(engine: LLMEngine) -> None:
+            backend = engine.resolve_request_backend(backend_spec)
+            found = engine.model_runner.pic_executor.lookup_or_prefill(backend, token_ids)
+            if found is not None:
+                engine.cache_store.pic.unlock(found)
+
+        await self._call(prefill)
+
+    async def prefill_missing_segments(self, backend_spec, segments: list[list[int]]) -> list[bool]:
+        """Prefill together the segments the device's PIC store lacks; per segment, True when it lacked it and
+        holds it now. All False for a request without PIC."""
+        def prefill(engine: LLMEngine) -> list[bool]:
+            backend = engine.resolve_request_backend(backend_spec)
+            if backend is None:
+                return [False] * len(segments)
+            executor = engine.model_runner.pic_executor
+            missing = [i for i, ids in enumerate(segments)
+                       if engine.cache_store.pic.lookup(executor.segment_key(backend, ids)) is None]
+            entries = executor.lookup_or_prefill_many(backend, [segments[i] for i in missing])
+            made = [False] * len(segments)
+            for index, entry in zip(missing, entries):
+                if entry is not None:
+                    engine.cache_store.pic.unlock(entry)
+                    made[index] = True
+            return made
+
+        return await self._call(prefill)
+
+    # ---- cached prefixes ----
+    async def cached_prefix_pages(self, token_ids: list[int]) -> int:
+        """How many leading pages of ``token_ids`` the prefix cache holds."""
+        return await self._call(lambda e: len(e.cache_store.radix.match_prefix(token_ids).pages))
+
+    async def pin_prefix(self, token_ids: list[int]) -> PrefixPin | None:
+        """The cached leading pages of ``token_ids``, locked; None when not even the first page is cached."""
+        def pin(engine: LLMEngine) -> PrefixPin | None:
+            radix = engine.cache_store.radix
+            match = radix.match_prefix(token_ids)
+            if not match.pages:
+                return None
+            radix.inc_lock_ref(match.last_node)
+            return PrefixPin(tuple(match.pages), match.last_node)
+
+        return await self._call(pin)
+
+    async def unpin_prefix(self, pin: PrefixPin) -> None:
+        await self._call(lambda e: e.cache_store.radix.dec_lock_ref(pin.node))
+
+    async def import_prefix(self, token_ids: list[int], pages: list[int]) -> None:
+        """Cache ``pages`` (from ``allocate_pages``, K/V written) as the prefix ``token_ids`` starts with, one page
+        per ``page_size`` tokens; the pages pass to the prefix cache."""
+        def insert(engine: LLMEngine) -> None:
+            store = engine.cache_store
+            last = store.insert_prefix(store.radix.root, token_ids[:len(pages) * self.page_size], pages)  # locked
+            store.radix.dec_lock_ref(last)
+            store.pool.release(pages)  # the tree holds its own reference to the pages it kept
+
+        await self._call(insert)
+
+    async def cached_prefix_hashes(self, token_ids: list[int], page_counts: list[int]) -> list[str]:
+        """For each count in ``page_counts`` (ascending), the block hash of the last of that many leading pages
+        of ``token_ids``, while they are all cached; stops at the first count that is not."""
+        def collect(engine: LLMEngine) -> list[str]:
+            radix, hashes = engine.cache_store.radix, []
+            for pages in page_counts:
+                match = radix.match_prefix(list(token_ids[:pages * self.page_size]))
+                if len(match.pages) < pages:
+                    break
+                hashes.append(match.last_node.block_hash)
+            return hashes
+
+        return await self._call(collect)
+
+    # ---- cache state ----
+    async def drain_cache_events(self, snapshot: bool = False) -> CacheDrain:
+        """The cache's events since the last drain; with ``snapshot``, in the same step, every PIC entry with the
+        tier it is on. Empty for an engine without a cache store."""
+        def drain(engine: LLMEngine) -> CacheDrain:
+            store = engine.cache_store
+            if store is None:
+                return CacheDrain([])
+            events = store.drain_events()
+            if not snapshot:
+                return CacheDrain(events)
+            lower = store.tiers.entries() if store.tiers else ()
+            return CacheDrain(events, [(e.key, e.num_tokens, Tier.DEVICE) for e in store.pic.entries()] +
+                              [(key, tokens, tier) for kind, key, tier, tokens in lower if kind is CacheKind.PIC])
+
+        return await self._call(drain)
+
+    async def set_pc_share(self, pc_share: float) -> None:
+        """Retarget the prefix cache's share of the device cache (no-op without a cache store)."""
+        await self._call(lambda e: e.cache_store and e.cache_store.set_pc_share(pc_share))
+
+    async def pic_stats(self) -> dict[str, int]:
+        """The PIC executor's counters (hits, misses, ...); empty without PIC."""
+        return await self._call(lambda e: dict(vars(e.model_runner.pic_executor.stats))
+                                if e.model_runner.pic_executor else {})
+
+    # ---- profiling ----
+    async def prefill_seconds_per_token(self, num_tokens: int = 256, repeats: int = 3) -> float:
+        """Seconds per prefilled token of this model here, best of ``repeats`` forwards of ``num_tokens`` random
+        tokens: the unit of a planner's prefill cost."""
+        def measure(engine: LLMEngine) -> float:
+            model = engine.model_runner.model
+            device = next(model.parameters()).device
+            ids = torch.randint(100, 1000, (num_tokens,), device=device)
+            best = float("inf")
+            with torch.inference_mode():
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    model.forward(ids, torch.arange(num_tokens, device=device), AttentionContext.dense([num_tokens]))
+                    best = min(best, time.perf_counter() - start)
+            return best / num_tokens
+
+        return await self._call(measure)

@@ -1,0 +1,141 @@
+"""The engine's cluster port on a running tiny engine: each cache operation a peer needs, done on the engine thread,
+and the round trips peers make with them (pin, copy the pages as NIXL would, store on the reader)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from nebula_engine.cluster.runtime.cost_profile import measured_cluster_config
+from nebula_engine.cluster.runtime.launcher import local_spec
+from nebula_engine.engine.cluster_port import EngineClusterPort, KVGeometry
+from nebula_engine.engine.sampling_params import SamplingParams
+from nebula_engine.kvcache.events import Tier
+
+PAGE = 4  # the engine fixture's page size
+
+
+@pytest.fixture(scope="module")
+def port(engine) -> EngineClusterPort:
+    return EngineClusterPort(engine)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def copy_pages(port: EngineClusterPort, src: list[int], dst: list[int]) -> None:
+    """What a NIXL read does: the K/V of pages ``src`` into pages ``dst``."""
+    for tensor in port.transfer_tensors():
+        tensor[list(dst)] = tensor[list(src)]
+
+
+def segment(first: int, length: int = 3 * PAGE) -> list[int]:
+    return list(range(first, first + length))
+
+
+def test_the_port_reads_the_engine_geometry(port, engine):
+    geometry = port.kv_geometry
+    assert geometry.page_size == port.page_size == PAGE and geometry.num_pages == 256
+    assert geometry.bytes_per_token > 0
+    assert port.caches_prefixes and not port.has_linear_attention
+    assert port.segment_key("epic", segment(100)) == engine.engine.segment_key("epic", segment(100)) != ""
+
+
+def test_cache_operations_run_on_the_engine_thread(port, engine, monkeypatch):
+    threads = []
+    pool = engine.engine.cache_store.pool
+    for name in ("allocate", "release"):
+        original = getattr(pool, name)
+
+        def recorded(*args, _original=original, **kwargs):
+            threads.append(threading.current_thread().name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(pool, name, recorded)
+
+    async def allocate_and_release():
+        pages = await port.allocate_pages(2)
+        await port.release_pages(pages)
+
+    run(allocate_and_release())
+    assert threads == ["nebula-engine-loop"] * 2
+
+
+def test_a_pinned_segment_copied_into_fresh_pages_is_found_under_its_key_on_the_reader(port):
+    ids = segment(200)
+    key, copy_key = port.segment_key("epic", ids), "copied-" + port.segment_key("epic", ids)
+
+    async def round_trip():
+        await port.prefill_segment("epic", ids)
+        pin = await port.pin_segment(key, len(ids))
+        assert pin is not None and len(pin.pages) == len(ids) // PAGE
+        pages = await port.allocate_pages(len(pin.pages), unless_cached=copy_key)
+        copy_pages(port, pin.pages, pages)
+        await port.unpin_segment(pin)
+        await port.import_segment(copy_key, len(ids), pages, pin.state)
+        assert await port.allocate_pages(1, unless_cached=copy_key) is None  # already stored here
+        copied = await port.pin_segment(copy_key, len(ids))
+        await port.unpin_segment(copied)
+        return copied
+
+    copied = run(round_trip())
+    assert copied is not None and len(copied.pages) == len(ids) // PAGE
+    assert run(port.pin_segment("no such key", 4)) is None
+
+
+def test_only_missing_segments_are_prefilled(port):
+    cached, cold = segment(300), segment(400)
+    run(port.prefill_segment("epic", cached))
+    assert run(port.prefill_missing_segments("epic", [cached, cold])) == [False, True]
+    assert run(port.prefill_missing_segments("epic", [cached, cold])) == [False, False]
+    assert run(port.prefill_missing_segments(None, [segment(500)])) == [False]  # no PIC: nothing to prefill
+
+
+def test_a_pinned_prefix_copied_into_fresh_pages_is_a_prefix_hit_on_the_reader(port, engine):
+    prompt, other = segment(600, 5 * PAGE), segment(700, 5 * PAGE)
+
+    async def round_trip():
+        async for _ in engine.generate("prefix-source", prompt, SamplingParams(max_tokens=1)):
+            pass
+        cached = await port.cached_prefix_pages(prompt)
+        pin = await port.pin_prefix(prompt)
+        pages = await port.allocate_pages(len(pin.pages))
+        copy_pages(port, pin.pages, pages)
+        await port.unpin_prefix(pin)
+        await port.import_prefix(other, pages)
+        return cached, await port.cached_prefix_pages(other), await port.cached_prefix_hashes(other, [1, 2, 9])
+
+    cached, copied, hashes = run(round_trip())
+    assert cached == copied == 5  # the prompt's five full pages
+    assert len(hashes) == 2 and len(set(hashes)) == 2  # 9 pages are not all cached: the list stops there
+    assert run(port.pin_prefix(segment(900))) is None
+
+
+def test_a_snapshot_lists_every_pic_entry_on_the_device(port):
+    ids = segment(1000)
+    run(port.prefill_segment("epic", ids))
+    drained = run(port.drain_cache_events(snapshot=True))
+    assert (port.segment_key("epic", ids), len(ids), Tier.DEVICE) in drained.pic_entries
+    assert run(port.drain_cache_events()).events == [] and run(port.drain_cache_events()).pic_entries == []
+
+
+def test_stats_profile_and_pc_share(port, engine):
+    stats = run(port.pic_stats())
+    assert stats["segment_misses"] >= 1 and set(stats) >= {"segment_hits", "segment_skipped", "combines"}
+    assert port.stats().alive
+    assert run(port.prefill_seconds_per_token(num_tokens=16, repeats=1)) > 0
+    run(port.set_pc_share(0.25))
+    assert engine.engine.cache_store.policy.pc_share == 0.25
+
+
+def test_the_cost_profile_carries_the_engine_geometry_and_the_measured_prefill():
+    spec = local_spec(2, 1)
+    config = measured_cluster_config(spec, KVGeometry(page_size=4, num_pages=10, bytes_per_token=96), 0.002)
+    assert config.num_prefill_workers == 2
+    profile = config.profile
+    assert profile.kv_bytes_per_token == 96 and profile.cache_capacity_tokens == 40
+    assert profile.prefill.per_token_s == 0.002 and profile.gpus_per_node == 3
+    assert profile.intra_node.latency_s == spec.remote_read_latency_s
