@@ -3,6 +3,8 @@ renumbered in the worker's one sequence; PIC events as they are, PC pages only a
 
 from __future__ import annotations
 
+import asyncio
+
 from builders import Clock
 
 from nebula_engine.cluster.runtime import wire
@@ -47,3 +49,32 @@ def test_pc_pages_are_reported_only_as_the_loss_of_the_prompt_segments_they_end(
     worker._report_events([e for raw in engine_events for e in worker._for_router(raw)])
     assert heard[0].events == [EvictEvent(2, 1, PC, ("chain-1",), 0), EvictEvent(2, 2, PC, ("chain-2",), 0)]
     assert worker.evictions == {"pc": 4, "pic": 0}  # the pages that left the device
+
+
+def test_a_cached_prompt_is_reported_one_pc_entry_per_segment_with_that_segments_own_tokens(engine):
+    """As the router records a dispatched prompt and the simulator reports one: a segment's PC entry counts its
+    own tokens, not the whole prefix through it (which would count the first segment once per later one)."""
+    from nebula_engine.engine.cluster_port import EngineClusterPort
+    from nebula_engine.engine.sampling_params import SamplingParams
+    from nebula_engine.pic.segments import PromptSegment, SegmentedPrompt, SegmentKind
+
+    heard: list[wire.Msg] = []
+    worker = WorkerService("me", "prefill", 2, EngineClusterPort(engine), agent=None, send=lambda peer, msg: None,
+                           leader=lambda: "me", pic_key=lambda spec, ids: "key",
+                           liveness=Liveness("me", ["me"], dead_after_s=3.0, clock=Clock()))
+    worker.local_router = heard.append
+    prompt = list(range(100, 125))  # 6 full pages of 4 tokens and one more token
+    segmented = SegmentedPrompt(tuple(prompt), (PromptSegment(SegmentKind.REGULAR, 0, 8),
+                                                PromptSegment(SegmentKind.REGULAR, 8, 12),
+                                                PromptSegment(SegmentKind.REGULAR, 20, 5)))
+
+    async def run() -> None:
+        async for _ in engine.generate("warm", prompt, SamplingParams(max_tokens=1)):
+            pass
+        await worker._pc_events(segmented, None)
+
+    asyncio.run(run())
+    (message,) = heard
+    # the third segment ends inside a page that is not full, so it is not cached as a prefix
+    assert [(e.kind, e.num_tokens) for e in message.events] == [(PC, 8), (PC, 12)]
+    assert len({e.keys for e in message.events}) == 2

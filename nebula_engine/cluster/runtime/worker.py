@@ -533,7 +533,7 @@ class WorkerService:
         events = []
         for segment, key, block_hash in zip(segmented.segments, keys.pc_keys, hashes):
             self._pc_page_keys.setdefault(block_hash, set()).add(key)
-            events.append(StoreEvent(self.worker_index, 0, CacheKind.PC, (key,), segment.end))
+            events.append(StoreEvent(self.worker_index, 0, CacheKind.PC, (key,), segment.length))
         if events:
             self._report_events(events)
 
