@@ -2,9 +2,12 @@
 
 A plan becomes messages: ``Scatter`` to each worker that prefills a cold segment, and one ``Combine`` to the
 combine home listing, per PIC segment, the peer to fetch it from. The router never touches KV bytes. It keeps
-each request in flight until its combine is done, so that when a prefill peer stops answering (no message for
-``dead_after_s``) every request planned on it is reported lost to its front end (a resumable ``Failed``), which
-submits it again: only front ends start attempts, so two runs of one request never share an attempt number.
+each request in flight until its combine is done. When a prefill peer stops answering (no message for
+``dead_after_s``), the view forgets what it held and the planner stays off it; every in-flight request whose
+combine home it was is reported lost to its front end (a resumable ``Failed``), which submits it again: only
+front ends start attempts, so two runs of one request never share an attempt number. A request that only reads a
+segment from the dead peer, or had a segment scattered to it, is not re-planned: its home's pin times out and the
+home computes the segment itself. A dead decode peer is the home's to handle (its hand-off fails).
 A router that does not lead refuses submissions (``NotLeader``); one it cannot plan fails them. A new leader
 starts with no requests in flight (front ends resubmit theirs) and rebuilds its view from every worker's
 snapshot.
