@@ -32,7 +32,7 @@ from nebula_engine.cluster.runtime.router import RouterService
 from nebula_engine.cluster.runtime.spec import API_KEY_ENV, ClusterSpec, PeerSettings, check_secured
 from nebula_engine.cluster.runtime.transfer import KVTransferAgent, TransferError, confine_ucx_to
 from nebula_engine.cluster.runtime.transport import Messenger
-from nebula_engine.cluster.runtime.worker import WorkerService, backend_arg
+from nebula_engine.cluster.runtime.worker import WorkerService
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class Peer:
         return best / tokens
 
     def _pic_key(self, spec: str | None, ids: list[int]) -> str:
-        return self.engine.engine.segment_key(backend_arg(spec), ids)
+        return self.engine.engine.segment_key(spec, ids)
 
     def _election(self) -> LeaderElection:
         if self.spec.etcd:

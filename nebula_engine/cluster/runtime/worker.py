@@ -33,7 +33,7 @@ from nebula_engine.cluster.runtime.liveness import Liveness
 from nebula_engine.cluster.control.request_keys import prompt_keys
 from nebula_engine.cluster.runtime.transfer import KVTransferAgent, TransferError
 from nebula_engine.engine.async_engine import AsyncLLMEngine
-from nebula_engine.engine.llm_engine import DEFAULT_BACKEND, LLMEngine
+from nebula_engine.engine.llm_engine import LLMEngine
 from nebula_engine.engine.outputs import RequestOutput
 from nebula_engine.engine.sampling_params import SamplingParams
 from nebula_engine.engine.structured_outputs import StructuredOutputsParams
@@ -65,10 +65,6 @@ def params_from_wire(params: wire.Params) -> SamplingParams:
 def segmented_from_wire(token_ids: list[int], segments: list[wire.Segment]) -> SegmentedPrompt:
     return SegmentedPrompt(tuple(token_ids), tuple(PromptSegment(SegmentKind(s.kind), s.start, s.length)
                                                    for s in segments))
-
-
-def backend_arg(spec: str | None) -> Any:
-    return DEFAULT_BACKEND if spec == "" else spec
 
 
 def engine_request_id(request_id: str, attempt: int) -> str:
@@ -164,7 +160,7 @@ class WorkerService:
     async def on_scatter(self, msg: wire.Scatter) -> None:
         self._start_computing([msg.key])
         try:
-            backend = self.engine.engine.resolve_request_backend(backend_arg(msg.pic_backend))
+            backend = self.engine.engine.resolve_request_backend(msg.pic_backend)
 
             def prefill(engine: LLMEngine) -> None:
                 found = engine.model_runner.pic_executor.lookup_or_prefill(backend, msg.token_ids)
@@ -189,7 +185,7 @@ class WorkerService:
             computing = self._local_keys(msg, segmented)
             self._start_computing(computing)
             params = params_from_wire(msg.params)
-            backend = backend_arg(msg.pic_backend)
+            backend = msg.pic_backend
             remote = [s for s in msg.sources if s.peer and s.peer != self.name]
             prefix_read = self._fetch_prefix(msg) if msg.prefix_peer and msg.prefix_peer != self.name else None
             # while remote KV is pinned and read, the cold segments planned here are prefilled (else the combine
@@ -230,7 +226,7 @@ class WorkerService:
         segments = {index: list(segmented.segment_ids(segmented.pic_segments[index])) for index in msg.compute_here}
 
         def prefill(engine: LLMEngine) -> list[int]:
-            backend = engine.resolve_request_backend(backend_arg(msg.pic_backend))
+            backend = engine.resolve_request_backend(msg.pic_backend)
             if backend is None:
                 return []
             cold = [index for index, ids in segments.items()
