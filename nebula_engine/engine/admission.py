@@ -35,11 +35,6 @@ class AdmittedRequest:
     backend: PICBackend | None  # the PIC backend it runs with (its segments are combined by it); None: PIC off
     text: str | None = None  # the prompt as text, echoed in its outputs
 
-    @property
-    def prompt(self) -> EnginePrompt:
-        """The prompt as callers give it: the segmented prompt, or the token ids."""
-        return self.segmented if self.segmented is not None else list(self.token_ids)
-
 
 def admit(engine: LLMEngine, prompt: EnginePrompt, params: SamplingParams, pic_backend: str | None = ENGINE_DEFAULT,
           text: str | None = None) -> AdmittedRequest:
