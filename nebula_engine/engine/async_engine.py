@@ -1,12 +1,14 @@
 """``AsyncLLMEngine``: one ``LLMEngine`` driven by a background thread, fed by asyncio code.
 
 Invariants:
-- The loop thread is the only thread that calls into the engine's mutable state (``add_request``,
+- The loop thread is the only thread that calls into the engine's mutable state (``add_admitted``,
   ``abort_request``, ``step``, and whatever a ``call`` runs there between two steps). Other threads only read
-  what ``LLMEngine.__init__`` fixed: ``validate_request``, ``resolve_request_backend`` and ``segment_key`` (pure
-  functions of the model and config), ``max_model_len``, ``tokenizer``, the KV pool's geometry and tensors, and
-  the thread-safe grammar compiler's cache. A cluster peer's worker reaches the engine only through
+  what ``LLMEngine.__init__`` fixed: ``admit``, ``resolve_request_backend`` and ``segment_key`` (pure functions
+  of the model and config), ``max_model_len``, ``tokenizer``, the KV pool's geometry and tensors, and the
+  thread-safe grammar compiler's cache. A cluster peer's worker reaches the engine only through
   ``engine.cluster_port.EngineClusterPort``, which follows this rule.
+- A request is admitted (``admission.admit``) in ``generate``, on the caller's side, before it is queued; the
+  loop thread adds it as admitted.
 - Callers hand commands over through a deque guarded by a condition variable; the loop thread sleeps on it
   while the engine is idle, so an idle engine costs nothing and a new request wakes it at once.
 - Each request's outputs are delivered on the caller's own event loop (``call_soon_threadsafe``), in order;
@@ -23,18 +25,16 @@ import logging
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import AsyncIterator, Union
+from typing import AsyncIterator
 
 from nebula_engine.config import EngineConfig
-from nebula_engine.engine.llm_engine import DEFAULT_BACKEND, LLMEngine
+from nebula_engine.engine.admission import ENGINE_DEFAULT, AdmittedRequest, EnginePrompt, admit
+from nebula_engine.engine.llm_engine import LLMEngine
 from nebula_engine.engine.outputs import RequestOutput
 from nebula_engine.engine.sampling_params import SamplingParams
 from nebula_engine.engine.tokenizer import Tokenizer
-from nebula_engine.pic.segments import SegmentedPrompt
 
 logger = logging.getLogger(__name__)
-
-EnginePrompt = Union[list[int], SegmentedPrompt]
 
 
 class EngineError(RuntimeError):
@@ -57,9 +57,7 @@ class EngineStats:
 @dataclass(frozen=True)
 class _Add:
     request_id: str
-    prompt: EnginePrompt
-    params: SamplingParams
-    pic_backend: object
+    request: AdmittedRequest
     hold_kv: bool = False
 
 
@@ -119,8 +117,14 @@ class AsyncLLMEngine:
     def stats(self) -> EngineStats:
         return self._stats
 
+    def admit(self, prompt: EnginePrompt, params: SamplingParams,
+              pic_backend: str | None = ENGINE_DEFAULT) -> AdmittedRequest:
+        """Check a request against this engine and resolve its backend (``admission.admit``); safe from any
+        thread, as it reads only what the engine fixed when it was built. Raises ``ValueError`` on bad input."""
+        return admit(self.engine, prompt, params, pic_backend)
+
     async def generate(self, request_id: str, prompt: EnginePrompt, params: SamplingParams,
-                       pic_backend: str | None | object = DEFAULT_BACKEND,
+                       pic_backend: str | None = ENGINE_DEFAULT,
                        hold_kv: bool = False, route: str | None = None) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs of ``request_id`` as they are produced; the last one has ``finished`` set.
 
@@ -129,13 +133,12 @@ class AsyncLLMEngine:
         """
         if route is not None:
             raise ValueError("prefill_peer needs a cluster; this server runs one engine")
-        token_ids = list(prompt.token_ids) if isinstance(prompt, SegmentedPrompt) else prompt
         if params.structured_outputs is not None:  # compiling a grammar (first time: seconds) must not stall the loop
-            await asyncio.to_thread(self.engine.validate_request, token_ids, params)
+            request = await asyncio.to_thread(self.admit, prompt, params, pic_backend)
         else:
-            self.engine.validate_request(token_ids, params)
+            request = self.admit(prompt, params, pic_backend)
         channel = _OutputChannel(asyncio.get_running_loop())
-        self._submit(request_id, _Add(request_id, prompt, params, pic_backend, hold_kv), channel)
+        self._submit(request_id, _Add(request_id, request, hold_kv), channel)
         async for item in self._drain(request_id, channel):
             yield item
 
@@ -164,7 +167,7 @@ class AsyncLLMEngine:
         return await future
 
     async def generate_held(self, request_id: str, prompt: EnginePrompt, params: SamplingParams,
-                            pic_backend: str | None | object = DEFAULT_BACKEND) -> RequestOutput:
+                            pic_backend: str | None = ENGINE_DEFAULT) -> RequestOutput:
         """Run a request whose pages stay allocated when it finishes (``LLMEngine.release_held`` frees them);
         returns its finished output."""
         last = None
@@ -272,8 +275,7 @@ class AsyncLLMEngine:
         if not self._is_live(command.request_id):
             return  # aborted before it reached the engine
         try:
-            self.engine.add_request(command.request_id, command.prompt, command.params,
-                                    pic_backend=command.pic_backend, hold_kv=command.hold_kv)
+            self.engine.add_admitted(command.request_id, command.request, hold_kv=command.hold_kv)
         except Exception as exc:  # the request's fault (ValueError) or the engine's: either way only this one
             self._deliver_last(command.request_id, exc)
             return

@@ -7,7 +7,8 @@ from typing import Any, Callable, Sequence, Union
 
 from nebula_engine.config import DEFAULT_MODEL, EngineConfig
 from nebula_engine.engine.chat_messages import flatten_content_parts
-from nebula_engine.engine.llm_engine import DEFAULT_BACKEND, LLMEngine
+from nebula_engine.engine.admission import ENGINE_DEFAULT, admit
+from nebula_engine.engine.llm_engine import LLMEngine
 from nebula_engine.engine.outputs import RequestOutput
 from nebula_engine.engine.sampling_params import SamplingParams
 from nebula_engine.engine.tokenizer import Message
@@ -33,7 +34,7 @@ class LLM:
 
     ``pic_backend`` ("auto" by default) combines the ``<pic>`` segments of prompts; None turns PIC off while
     keeping the same per-segment tokenization, so the token ids never depend on it. ``generate`` and ``chat``
-    take a ``pic_backend`` override for their requests.
+    take a ``pic_backend`` override for their requests (``"default"``, when none is given: the engine's).
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, **options: Any):
@@ -57,7 +58,7 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool | Callable[..., Any] = True,
-                 pic_backend: str | None | object = DEFAULT_BACKEND) -> list[RequestOutput]:
+                 pic_backend: str | None = ENGINE_DEFAULT) -> list[RequestOutput]:
         """One ``RequestOutput`` per prompt, in input order. Invalid input raises ValueError first. A request the
         engine failed while running comes back finished with ``finish_reason == "error"`` and ``error`` set; the
         others are unaffected. ``use_tqdm``: a progress bar over two or more prompts (True: tqdm's; or a tqdm-like
@@ -69,7 +70,7 @@ class LLM:
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool | Callable[..., Any] = True,
-             pic_backend: str | None | object = DEFAULT_BACKEND) -> list[RequestOutput]:
+             pic_backend: str | None = ENGINE_DEFAULT) -> list[RequestOutput]:
         """Apply the chat template to one conversation (a list of messages) or a list of them. Contents may be
         strings or OpenAI content-part lists (text parts; an image part is a ValueError for text models)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
@@ -110,15 +111,14 @@ class LLM:
         return params
 
     def _run(self, requests: list[tuple[str | None, list[int] | SegmentedPrompt]], params: list[SamplingParams],
-             pic_backend: str | None | object = DEFAULT_BACKEND,
+             pic_backend: str | None = ENGINE_DEFAULT,
              use_tqdm: bool | Callable[..., Any] = False) -> list[RequestOutput]:
         engine = self.llm_engine
-        for (_, prompt), p in zip(requests, params):  # all of them before any is scheduled
-            engine.validate_request(list(prompt.token_ids) if isinstance(prompt, SegmentedPrompt) else prompt, p)
-        engine.resolve_request_backend(pic_backend)
-        request_ids = [str(next(self._request_counter)) for _ in requests]
-        for request_id, (text, prompt), p in zip(request_ids, requests, params):
-            engine.add_request(request_id, prompt, p, prompt=text, pic_backend=pic_backend)
+        admitted = [admit(engine, prompt, p, pic_backend, text)  # all of them before any is scheduled
+                    for (text, prompt), p in zip(requests, params)]
+        request_ids = [str(next(self._request_counter)) for _ in admitted]
+        for request_id, request in zip(request_ids, admitted):
+            engine.add_admitted(request_id, request)
         results: dict[str, RequestOutput] = {}
         bar = _progress_bar(use_tqdm, len(request_ids))
         try:

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from nebula_engine.config import EngineConfig, ModelConfig
+from nebula_engine.engine.admission import ENGINE_DEFAULT, AdmittedRequest, admit
 from nebula_engine.engine.model_runner import ModelRunner
 from nebula_engine.engine.output_processor import OutputProcessor
 from nebula_engine.engine.pic_executor import PICExecutor
@@ -29,8 +30,6 @@ from nebula_engine.kvcache.tiers import TierConfig
 from nebula_engine.model.loader import load_model
 from nebula_engine.pic.backends import PICBackend, resolve_pic_backend
 from nebula_engine.pic.segments import SegmentedPrompt
-
-DEFAULT_BACKEND = object()  # add_request: use the engine's PIC backend
 
 logger = logging.getLogger(__name__)
 
@@ -107,66 +106,37 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         return eos
 
-    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError for a request the engine cannot serve; changes nothing."""
-        if not prompt_token_ids:
-            raise ValueError("prompt is empty: it must contain at least one token")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id(s) {bad[:5]} outside the vocabulary [0, {vocab})")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt of {len(prompt_token_ids)} tokens leaves no room to generate: "
-                             f"max_model_len is {self.max_model_len}")
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        if len(params.stop_token_ids) > vocab:  # more than the vocabulary: repeats, checked on every token
-            raise ValueError(f"stop_token_ids holds {len(params.stop_token_ids)} ids; the vocabulary has {vocab}")
-        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"stop_token_ids {bad[:5]} outside the vocabulary [0, {vocab})")
-        bad = [t for t in (params.logit_bias or {}) if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"logit_bias token id(s) {bad[:5]} outside the vocabulary [0, {vocab})")
-        if self.tokenizer is None and (params.stop or params.structured_outputs is not None):
-            raise ValueError("stop strings and structured outputs need a tokenizer; this engine was started with "
-                             "skip_tokenizer_init")
-        if params.structured_outputs is not None:
-            self.grammar_compiler.compile(params.structured_outputs)  # ValueError for an invalid schema / grammar
-
     def add_request(self, request_id: str, prompt_token_ids: list[int] | SegmentedPrompt, params: SamplingParams,
-                    prompt: str | None = None, pic_backend: str | None | object = DEFAULT_BACKEND,
-                    hold_kv: bool = False) -> None:
-        """Queue a request. A ``SegmentedPrompt`` (``tokenizer.segment_prompt`` / ``segment_chat``) marks its PIC
-        segments; ``pic_backend`` overrides the engine's for this request (None: no PIC, same token ids)."""
+                    prompt: str | None = None, pic_backend: str | None = ENGINE_DEFAULT, hold_kv: bool = False) -> None:
+        """Admit (``admission.admit``) and queue a request. A ``SegmentedPrompt`` (``tokenizer.segment_prompt`` /
+        ``segment_chat``) marks its PIC segments; ``pic_backend`` overrides the engine's for this request (None: no
+        PIC, same token ids)."""
+        self.add_admitted(request_id, admit(self, prompt_token_ids, params, pic_backend, prompt), hold_kv)
+
+    def add_admitted(self, request_id: str, request: AdmittedRequest, hold_kv: bool = False) -> None:
+        """Queue a request admitted for this engine; it is not checked again."""
         if request_id in self._sequences or request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
-        segmented = prompt_token_ids if isinstance(prompt_token_ids, SegmentedPrompt) else None
-        prompt_token_ids = list(segmented.token_ids) if segmented is not None else prompt_token_ids
-        self.validate_request(prompt_token_ids, params)
-        backend = self.resolve_request_backend(pic_backend) if segmented is not None else None
-        if params.n > 1:
-            self._add_parent(request_id, prompt_token_ids, segmented, params, prompt, backend, hold_kv)
+        if request.params.n > 1:
+            self._add_parent(request_id, request, hold_kv)
             return
-        self._add_sequence(request_id, prompt_token_ids, segmented, params, prompt, backend, hold_kv)
+        self._add_sequence(request_id, request, request.params, hold_kv)
 
-    def _add_parent(self, request_id: str, prompt_token_ids: list[int], segmented: SegmentedPrompt | None,
-                    params: SamplingParams, prompt: str | None, backend: PICBackend | None, hold_kv: bool) -> None:
+    def _add_parent(self, request_id: str, request: AdmittedRequest, hold_kv: bool) -> None:
         if hold_kv:
             raise ValueError("n > 1 cannot hold its pages for a prefill -> decode hand-off")
-        parent = ParentRequest(request_id, params.n)
+        parent = ParentRequest(request_id, request.params.n)
         taken = [c for c in parent.child_ids if c in self._sequences or c in self._parents]
         if taken:
             raise ValueError(f"request id {taken[0]!r} of completion {parent.index_of(taken[0])} is already in use")
         self._parents[request_id] = parent
         for index, child_id in enumerate(parent.child_ids):
             self._parent_of[child_id] = parent
-            self._add_sequence(child_id, prompt_token_ids, segmented, params.for_completion(index), prompt, backend,
-                               False)
+            self._add_sequence(child_id, request, request.params.for_completion(index), False)
 
-    def _add_sequence(self, request_id: str, prompt_token_ids: list[int], segmented: SegmentedPrompt | None,
-                      params: SamplingParams, prompt: str | None, backend: PICBackend | None, hold_kv: bool) -> None:
-        seq = Sequence(request_id, prompt_token_ids, params, prompt, segmented, backend)
+    def _add_sequence(self, request_id: str, request: AdmittedRequest, params: SamplingParams, hold_kv: bool) -> None:
+        backend = request.backend if request.segmented is not None else None  # it combines PIC segments only
+        seq = Sequence(request_id, request.token_ids, params, request.text, request.segmented, backend)
         seq.hold_kv = hold_kv
         self._sequences[request_id] = seq
         self.output_processor.add(seq)
@@ -185,9 +155,9 @@ class LLMEngine:
             self.cache_store.evict_all()
         return True
 
-    def resolve_request_backend(self, spec) -> PICBackend | None:
-        """The backend a request asked for (``DEFAULT_BACKEND``: the engine's); ValueError if unusable."""
-        if spec is DEFAULT_BACKEND:
+    def resolve_request_backend(self, spec: str | None) -> PICBackend | None:
+        """The backend a request's spec names (``ENGINE_DEFAULT``: the engine's); ValueError if unusable."""
+        if spec == ENGINE_DEFAULT:
             return self.pic_backend
         backend = resolve_pic_backend(spec, self.model_runner.model)
         if backend is not None and self.model_runner.pic_executor is None:
@@ -195,8 +165,8 @@ class LLMEngine:
                              "it cannot serve a PIC backend")
         return backend
 
-    def segment_key(self, spec, token_ids) -> str:
-        """The PIC store key of a segment for a request whose backend spec is ``spec`` (``DEFAULT_BACKEND``: the
+    def segment_key(self, spec: str | None, token_ids) -> str:
+        """The PIC store key of a segment for a request whose backend spec is ``spec`` (``ENGINE_DEFAULT``: the
         engine's); "" when that request runs without PIC. Router and workers name store entries with this."""
         backend = self.resolve_request_backend(spec)
         if backend is None or self.model_runner.pic_executor is None:

@@ -17,7 +17,7 @@ INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1  # torch.Generator seeds and torc
 INT32_MAX = 2 ** 31 - 1
 MAX_TOP_K = INT32_MAX  # any top_k at or above the vocabulary size keeps every token
 MAX_N = 128  # completions per request: OpenAI's API refuses n above 128
-MAX_TOKEN_ID = INT32_MAX  # the real bound is the vocabulary, which the engine checks (LLMEngine.validate_request)
+MAX_TOKEN_ID = INT32_MAX  # the real bound is the vocabulary, which admission checks (engine.admission.admit)
 MAX_STOP_SEQUENCES = 4  # OpenAI's API reference: "Up to 4 sequences"; TGI's default --max-stop-sequences
 # a stream holds back len(longest stop) - 1 characters and each new token's stop search looks that far back;
 # stop markers in practice (role tags, newlines, code fences) are a few dozen characters at most

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from typing import AsyncIterator, Protocol, runtime_checkable
 
-from nebula_engine.engine.async_engine import EngineDeadError, EngineError, EnginePrompt, EngineStats
-from nebula_engine.engine.llm_engine import DEFAULT_BACKEND
+from nebula_engine.engine.admission import ENGINE_DEFAULT, EnginePrompt
+from nebula_engine.engine.async_engine import EngineDeadError, EngineError, EngineStats
 from nebula_engine.engine.outputs import RequestOutput
 from nebula_engine.engine.sampling_params import SamplingParams
 from nebula_engine.engine.tokenizer import Tokenizer
 
-__all__ = ["DEFAULT_BACKEND", "EngineClient", "EngineDeadError", "EngineError", "EnginePrompt", "EngineStats"]
+__all__ = ["ENGINE_DEFAULT", "EngineClient", "EngineDeadError", "EngineError", "EnginePrompt", "EngineStats"]
 
 
 @runtime_checkable
@@ -29,10 +29,12 @@ class EngineClient(Protocol):
         """Prompt + generated tokens one request may hold."""
 
     def generate(self, request_id: str, prompt: EnginePrompt, params: SamplingParams,
-                 pic_backend: str | None | object = DEFAULT_BACKEND, route: str | None = None
+                 pic_backend: str | None = ENGINE_DEFAULT, route: str | None = None
                  ) -> AsyncIterator[RequestOutput]:
-        """Cumulative outputs, the last one ``finished``. ``route`` (clusters): the peer that runs the prefill. ``ValueError`` (on the first iteration) means the
-        request is invalid; ``EngineError`` means the engine failed it. Closing the iterator early aborts."""
+        """Cumulative outputs, the last one ``finished``. The request is admitted (``admission.admit``) once,
+        before anything is queued: ``ValueError`` (on the first iteration) means it is invalid; ``EngineError``
+        means the engine failed it. ``pic_backend``: a spec, None (PIC off) or ``ENGINE_DEFAULT``. ``route``
+        (clusters): the peer that runs the prefill. Closing the iterator early aborts."""
 
     def abort(self, request_id: str) -> None:
         """Stop ``request_id``; returns at once, a no-op for unknown or finished ids."""

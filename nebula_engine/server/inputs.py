@@ -20,7 +20,7 @@ from nebula_engine.engine.sampling_params import SamplingParams
 from nebula_engine.engine.tokenizer import Tokenizer
 from nebula_engine.pic.segments import PICSyntaxError, SegmentedPrompt, segment_token_lists
 from nebula_engine.server.chat_messages import template_messages, template_tools
-from nebula_engine.server.engine_client import DEFAULT_BACKEND, EnginePrompt
+from nebula_engine.server.engine_client import ENGINE_DEFAULT, EnginePrompt
 from nebula_engine.server.errors import APIError
 from nebula_engine.server.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice, SamplingFields
 from nebula_engine.server.responses import ChoiceFormat
@@ -41,7 +41,7 @@ class OutputSettings:
 class EngineInput:
     prompts: tuple[EnginePrompt, ...]  # one engine request each (a completions batch); each gives n choices
     params: SamplingParams
-    pic_backend: object  # a backend spec, None (PIC off), or DEFAULT_BACKEND (the engine's)
+    pic_backend: str | None  # a backend spec, None (PIC off), or ENGINE_DEFAULT (the engine's)
     route: str | None = None  # cluster: the prefill peer that must run the combine
     form: ChoiceFormat = field(default_factory=ChoiceFormat)
 
@@ -141,7 +141,7 @@ def _engine_input(request: SamplingFields, prompts: list[EnginePrompt], prompt_p
                                 **options)
     except ValueError as exc:
         raise APIError(str(exc)) from exc
-    backend = request.pic_backend if "pic_backend" in request.model_fields_set else DEFAULT_BACKEND
+    backend = request.pic_backend if "pic_backend" in request.model_fields_set else ENGINE_DEFAULT
     form = ChoiceFormat(params.stop, logprobs, tool_parser, lambda token_id: tokenizer.decode([token_id], False))
     return EngineInput(tuple(prompts), params, backend, request.prefill_peer, form)
 

@@ -15,6 +15,8 @@ from nebula_engine.cluster.runtime.liveness import Liveness
 from nebula_engine.cluster.runtime.worker import output_to_wire, params_from_wire
 from nebula_engine.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineError
 from nebula_engine.engine.tokenizer import IncrementalDetokenizer
+from nebula_engine.pic.backends import get_pic_backend
+from nebula_engine.pic.segments import segment_token_lists
 
 PEERS = ["front", "prefill-0", "prefill-1", "decode-0"]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -261,6 +263,35 @@ def test_options_a_cluster_cannot_carry_yet_are_refused_before_submission(engine
         client = harness.start([5, 6, 7], SamplingParams(max_tokens=3, **fields))
         with pytest.raises(ValueError, match=f"{named}.*not supported by a cluster"):
             await client
+        assert harness.sent.empty()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("asked, sent", [({}, "epic"), (dict(pic_backend=None), None),
+                                         (dict(pic_backend="cacheblend:ratio=0.3"), "cacheblend:ratio=0.3")])
+def test_the_submission_carries_the_backend_admission_resolved(engine, asked, sent):
+    """No spec: the front end's engine default ("auto" is EPIC on this attention-only model), named so that every
+    peer reads the same backend."""
+    async def scenario():
+        harness = Harness(engine)
+        prompt = segment_token_lists([("regular", [5]), ("pic", [9] * 8)])
+        client = asyncio.ensure_future(anext(harness.front.generate("r", prompt, GREEDY, **asked)))
+        _, submit = await harness.next_submit()
+        client.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await client
+        return submit
+
+    spec = asyncio.run(scenario()).pic_backend
+    assert spec == sent if sent is None else get_pic_backend(spec) == get_pic_backend(sent)
+
+
+def test_a_bad_backend_spec_is_refused_before_submission(engine):
+    async def scenario():
+        harness = Harness(engine)
+        with pytest.raises(ValueError, match="unknown PIC backend"):
+            await anext(harness.front.generate("r", [5, 6, 7], GREEDY, pic_backend="blend"))
         assert harness.sent.empty()
 
     asyncio.run(scenario())

@@ -149,14 +149,14 @@ def test_bad_backend_specs_are_clear_errors(engines):
 
 def test_segment_keys_name_the_entries_the_backend_stores(checkpoint_factory):
     """The router and the workers key segments through LLMEngine.segment_key: it must name what the engine stores."""
-    from nebula_engine.engine.llm_engine import DEFAULT_BACKEND
+    from nebula_engine.engine.admission import ENGINE_DEFAULT
     from tests.model_cases import CASES_BY_NAME
 
     hybrid = LLM(str(checkpoint_factory(CASES_BY_NAME["qwen3_5_linear_full_linear"])), page_size=4, num_pages=256)
     engine, ids = hybrid.llm_engine, list(range(100, 130))
     executor = engine.model_runner.pic_executor
-    assert engine.segment_key(DEFAULT_BACKEND, ids) == executor.segment_key(engine.pic_backend, ids)  # hypic
-    assert engine.segment_key("hypic:seam=4", ids) != engine.segment_key(DEFAULT_BACKEND, ids)
+    assert engine.segment_key(ENGINE_DEFAULT, ids) == executor.segment_key(engine.pic_backend, ids)  # hypic
+    assert engine.segment_key("hypic:seam=4", ids) != engine.segment_key(ENGINE_DEFAULT, ids)
     assert engine.segment_key(None, ids) == ""
     hybrid.generate({"segments": [("regular", [7, 8]), ("pic", ids), ("regular", [9, 10])]}, GREEDY)
-    assert engine.segment_key(DEFAULT_BACKEND, ids) in engine.cache_store.pic
+    assert engine.segment_key(ENGINE_DEFAULT, ids) in engine.cache_store.pic

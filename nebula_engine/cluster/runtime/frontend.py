@@ -1,8 +1,9 @@
 """The cluster's ``EngineClient``: what every peer's HTTP API talks to.
 
-A request is validated here (with the local engine's tokenizer and limits), submitted to the current leader's
-router, and its outputs arrive from whichever peer serves it. Each submission has an attempt number; only
-outputs of the current attempt are passed on, and only the front end starts a new one.
+A request is admitted here (``admission.admit`` with the local engine: its limits, its PIC backend resolved to a
+spec every peer reads the same), submitted to the current leader's router, and its outputs arrive from whichever
+peer serves it. Each submission has an attempt number; only outputs of the current attempt are passed on, and only
+the front end starts a new one.
 
 Every request ends, with its output or an error:
 - Without a quorum (this peer is cut off from most of the cluster) a new request fails at once (503). With a
@@ -30,13 +31,13 @@ import msgspec
 from nebula_engine.cluster.runtime import wire
 from nebula_engine.cluster.runtime.liveness import DEFAULT_FAILOVER_TIMEOUT_S, Liveness
 from nebula_engine.cluster.runtime.worker import params_to_wire
+from nebula_engine.engine.admission import ENGINE_DEFAULT, AdmittedRequest
 from nebula_engine.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineError, EngineStats
-from nebula_engine.engine.llm_engine import DEFAULT_BACKEND
 from nebula_engine.engine.output_processor import find_stop_string
 from nebula_engine.engine.outputs import CompletionOutput, RequestOutput
 from nebula_engine.engine.sampling_params import SamplingParams
 from nebula_engine.engine.tokenizer import Tokenizer
-from nebula_engine.pic.segments import SegmentedPrompt, SegmentKind
+from nebula_engine.pic.segments import SegmentKind
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +108,7 @@ class ClusterFrontend:
         return EngineStats(local.num_waiting, local.num_running, alive=local.alive and serving)
 
     async def generate(self, request_id: str, prompt, params: SamplingParams,
-                       pic_backend: str | None | object = DEFAULT_BACKEND,
+                       pic_backend: str | None = ENGINE_DEFAULT,
                        route: str | None = None) -> AsyncIterator[RequestOutput]:
         submit = self._validated_submit(request_id, prompt, params, pic_backend, route)
         if self.leader() is None and not self.has_quorum():
@@ -127,29 +128,28 @@ class ClusterFrontend:
         finally:
             self._forget(request_id)
 
-    def _validated_submit(self, request_id: str, prompt, params: SamplingParams, pic_backend,
+    def _validated_submit(self, request_id: str, prompt, params: SamplingParams, pic_backend: str | None,
                           route: str | None) -> wire.Submit:
-        engine = self.engine.engine
         if route is not None and route not in self.prefill_peers:
             raise ValueError(f"prefill_peer {route!r} is not a prefill peer of this cluster: {self.prefill_peers}")
-        segmented = prompt if isinstance(prompt, SegmentedPrompt) else None
-        token_ids = list(segmented.token_ids) if segmented is not None else list(prompt)
-        engine.validate_request(token_ids, params)
+        request = self.engine.admit(prompt, params, pic_backend)
         unsupported = [name for name, asked in (("n > 1", params.n > 1), ("logprobs", params.logprobs is not None),
                                                 ("prompt_logprobs", params.prompt_logprobs is not None)) if asked]
         if unsupported:  # the cluster's outputs carry one completion and each sampled token's logprob only
             raise ValueError(f"{', '.join(unsupported)}: not supported by a cluster yet; a single engine serves them")
-        if pic_backend is not DEFAULT_BACKEND and pic_backend is not None:
-            engine.resolve_request_backend(pic_backend)  # a bad spec is the client's error, raised here
         if request_id in self._pending:
             raise ValueError(f"request id {request_id!r} is already in use")
+        return self._submit_message(request_id, request, route)
+
+    def _submit_message(self, request_id: str, request: AdmittedRequest, route: str | None) -> wire.Submit:
+        """An admitted request as the router receives it: its backend by spec, which parses back to an equal one."""
+        segmented, token_ids = request.segmented, list(request.token_ids)
         segments = ([wire.Segment(s.kind.value, s.start, s.length) for s in segmented.segments] if segmented
                     else [wire.Segment(SegmentKind.REGULAR.value, 0, len(token_ids))])
-        spec = "" if pic_backend is DEFAULT_BACKEND else pic_backend
-        if spec == "" and engine.pic_backend is None:
-            spec = None
+        spec = request.backend.spec if request.backend is not None else None
         return wire.Submit(sender=self.name, request_id=request_id, attempt=0, token_ids=token_ids,
-                           segments=segments, params=params_to_wire(params), pic_backend=spec, route=route or "")
+                           segments=segments, params=params_to_wire(request.params), pic_backend=spec,
+                           route=route or "")
 
     def abort(self, request_id: str) -> None:
         self._forget(request_id)

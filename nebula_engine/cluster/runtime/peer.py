@@ -34,7 +34,7 @@ from nebula_engine.cluster.runtime.spec import API_KEY_ENV, ClusterSpec, PeerSet
 from nebula_engine.cluster.runtime.status import add_cluster_route
 from nebula_engine.cluster.runtime.transfer import KVTransferAgent, TransferError, confine_ucx_to
 from nebula_engine.cluster.runtime.transport import Messenger
-from nebula_engine.cluster.runtime.worker import WorkerService, backend_arg
+from nebula_engine.cluster.runtime.worker import WorkerService
 from nebula_engine.engine.cluster_port import EngineClusterPort
 
 logger = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ class Peer:
                                         settings.failover_timeout_s, max_losses=len(peer_names))
 
     def _pic_key(self, spec: str | None, ids: list[int]) -> str:
-        return self.port.segment_key(backend_arg(spec), ids)
+        return self.port.segment_key(spec, ids)
 
     def _election_spec(self) -> ElectionSpec:
         """etcd leases when the spec names an etcd, else Raft among the peers (authenticated by the cluster

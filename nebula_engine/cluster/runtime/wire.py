@@ -49,7 +49,7 @@ class Submit(Msg):
     token_ids: list[int]
     segments: list[Segment]
     params: Params
-    pic_backend: str | None  # spec; "" = the engine default; None = PIC off
+    pic_backend: str | None  # the backend the front end resolved, as its spec; None = PIC off
     route: str = ""  # a prefill peer that must run the combine ("" = the planner decides)
 
 
@@ -67,7 +67,7 @@ class Scatter(Msg):
     segment_index: int
     key: str
     token_ids: list[int]
-    pic_backend: str  # the request's spec ("" = the engine default); it names ``key``
+    pic_backend: str  # the request's backend spec; it names ``key``
 
 
 class SourceSpec(msgspec.Struct, array_like=True):

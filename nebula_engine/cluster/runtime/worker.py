@@ -25,7 +25,7 @@ import itertools
 import logging
 import time
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Callable
 
 import msgspec
 import torch
@@ -35,7 +35,6 @@ from nebula_engine.cluster.runtime.liveness import Liveness
 from nebula_engine.cluster.control.request_keys import prompt_keys
 from nebula_engine.cluster.runtime.transfer import KVTransferAgent, TransferError
 from nebula_engine.engine.cluster_port import EngineClusterPort, PrefixPin, SegmentPin
-from nebula_engine.engine.llm_engine import DEFAULT_BACKEND
 from nebula_engine.engine.outputs import RequestOutput
 from nebula_engine.engine.sampling_params import SamplingParams
 from nebula_engine.engine.structured_outputs import StructuredOutputsParams
@@ -67,10 +66,6 @@ def params_from_wire(params: wire.Params) -> SamplingParams:
 def segmented_from_wire(token_ids: list[int], segments: list[wire.Segment]) -> SegmentedPrompt:
     return SegmentedPrompt(tuple(token_ids), tuple(PromptSegment(SegmentKind(s.kind), s.start, s.length)
                                                    for s in segments))
-
-
-def backend_arg(spec: str | None) -> Any:
-    return DEFAULT_BACKEND if spec == "" else spec
 
 
 def engine_request_id(request_id: str, attempt: int) -> str:
@@ -166,7 +161,7 @@ class WorkerService:
     async def on_scatter(self, msg: wire.Scatter) -> None:
         self._start_computing([msg.key])
         try:
-            await self.engine.prefill_segment(backend_arg(msg.pic_backend), msg.token_ids)
+            await self.engine.prefill_segment(msg.pic_backend, msg.token_ids)
         except Exception:
             logger.exception("scatter prefill %s failed", msg.task_id)
         finally:
@@ -184,7 +179,7 @@ class WorkerService:
             computing = self._local_keys(msg, segmented)
             self._start_computing(computing)
             params = params_from_wire(msg.params)
-            backend = backend_arg(msg.pic_backend)
+            backend = msg.pic_backend
             remote = [s for s in msg.sources if s.peer and s.peer != self.name]
             prefix_read = self._fetch_prefix(msg) if msg.prefix_peer and msg.prefix_peer != self.name else None
             # while remote KV is pinned and read, the cold segments planned here are prefilled (else the combine
@@ -224,7 +219,7 @@ class WorkerService:
         them itself."""
         segments = [list(segmented.segment_ids(segmented.pic_segments[index])) for index in msg.compute_here]
         try:
-            made = await self.engine.prefill_missing_segments(backend_arg(msg.pic_backend), segments)
+            made = await self.engine.prefill_missing_segments(msg.pic_backend, segments)
         except Exception:
             logger.exception("prefilling the local segments of %s failed; the combine computes them", msg.request_id)
             return []
