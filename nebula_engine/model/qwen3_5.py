@@ -105,6 +105,9 @@ class HybridDecoderLayer(nn.Module):
 
 
 class Qwen3_5ForCausalLM(CausalLM):
+    """Its layers return (hidden, new states), so ``run_layers`` always runs them through a hook: the one in
+    ``forward_with_states``, or HYPIC's."""
+
     ignored_weights = CausalLM.ignored_weights + (r"^model\.visual\.", r"^mtp\.")
 
     def __init__(self, config: ModelConfig):
