@@ -269,18 +269,18 @@ class PICHarness:
 
     def attention_layer_indices(self) -> list[int]:
         """Decoder-layer index of each attention layer, in kv-cache order."""
-        return [i for i, layer in enumerate(self.model.model.layers) if not getattr(layer, "is_linear", False)]
+        return [i for i, layer in enumerate(self.model.model.layers) if not layer.is_linear]
 
     def linear_layer_indices(self) -> list[int]:
-        return [i for i, layer in enumerate(self.model.model.layers) if getattr(layer, "is_linear", False)]
+        return [i for i, layer in enumerate(self.model.model.layers) if layer.is_linear]
 
     def read_kv(self, attn_idx: int, block_table: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(key, value) rows of positions [0, num_tokens): post-RoPE K and V, or MLA's k_pe and latent c̃."""
         slots = self.slots(block_table, torch.arange(num_tokens, device=self.device))
         tensors = self.storage.layer_caches[attn_idx]
-        if len(tensors) == 2:
+        rope = self.model.attention_layers()[attn_idx].latent_rope_dim
+        if rope is None:
             return tuple(t.view(-1, *t.shape[2:])[slots].float() for t in tensors)
-        rope = self.model.attention_layers()[attn_idx].mla.qk_rope_head_dim
         rows = tensors[0].view(-1, tensors[0].shape[-1])[slots].float()
         return rows[:, -rope:], rows[:, :-rope]
 

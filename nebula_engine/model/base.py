@@ -1,13 +1,15 @@
 """Decoder-only causal LM skeleton; a family only says how to build layer ``i``.
 
 Parameter names equal Hugging Face names (``model.layers.{i}...``, ``lm_head.weight``), so weight
-loading is a lookup. Legend: T = tokens in the flattened batch, Hd = hidden size, V = vocab.
+loading is a lookup. The layer loop (embed -> decoder layers -> final norm) is written once, in
+``CausalLM.run_layers``: the plain forward, PIC's combine and HYPIC all run it, changing what happens at a
+layer through a ``LayerHook``. Legend: T = tokens in the flattened batch, Hd = hidden size, V = vocab.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Iterable
+from typing import Callable, Iterable, NamedTuple
 
 import torch
 from torch import nn
@@ -15,8 +17,22 @@ from torch import nn
 from nebula_engine.kernels.attention import AttentionContext
 from nebula_engine.kvcache.spec import KVCacheGroupSpec, full_attention_groups
 from nebula_engine.model.config import ModelConfig
+from nebula_engine.model.gated_deltanet import GatedDeltaNet
 from nebula_engine.model.layers import RMSNorm, RopeAttention
 from nebula_engine.model.weights import load_named_weights
+
+
+class LayerRows(NamedTuple):
+    """The rows a decoder layer runs on, in the order ``layer(positions, hidden, attn_ctx)`` takes them."""
+
+    positions: torch.Tensor  # [T]
+    hidden: torch.Tensor  # [T, Hd]
+    attn_ctx: AttentionContext
+
+
+# Runs decoder layer ``layer_idx`` on the rows in place of ``layer(*rows)`` and returns the rows the next layer
+# runs on: the same rows with new hidden states, or fewer rows (and their own attention context).
+LayerHook = Callable[[int, nn.Module, LayerRows], LayerRows]
 
 
 class DecoderStack(nn.Module):
@@ -49,10 +65,25 @@ class CausalLM(nn.Module, ABC):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_ctx: AttentionContext) -> torch.Tensor:
         """input_ids, positions [T] (flattened varlen batch) -> final-normed hidden [T, Hd]."""
+        return self.run_layers(input_ids, positions, attn_ctx).hidden
+
+    def run_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_ctx: AttentionContext,
+                   hook: LayerHook | None = None) -> LayerRows:
+        """Embed the rows ``input_ids`` at ``positions`` [T], run them through every decoder layer, final-norm them.
+
+        Without ``hook`` each layer is ``layer(positions, hidden, attn_ctx)``; with it, ``hook(layer_idx, layer,
+        rows)`` runs the layer instead (another attention context, another token mixer, rows dropped). Returns the
+        rows out of the last layer, their hidden states final-normed.
+        """
         hidden = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            hidden = layer(positions, hidden, attn_ctx)
-        return self.model.norm(hidden)
+        if hook is None:  # the engine's forward: no per-layer allocation
+            for layer in self.model.layers:
+                hidden = layer(positions, hidden, attn_ctx)
+            return LayerRows(positions, self.model.norm(hidden), attn_ctx)
+        rows = LayerRows(positions, hidden, attn_ctx)
+        for layer_idx, layer in enumerate(self.model.layers):
+            rows = hook(layer_idx, layer, rows)
+        return rows._replace(hidden=self.model.norm(rows.hidden))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, Hd] -> fp32 logits [n, V]."""
@@ -83,6 +114,16 @@ class CausalLM(nn.Module, ABC):
     @property
     def num_attention_layers(self) -> int:
         return len(self.attention_layers())
+
+    @property
+    def num_linear_layers(self) -> int:
+        """Linear-attention layers (a recurrent state per sequence instead of K/V); hybrid families override."""
+        return 0
+
+    def linear_attention_layers(self) -> list[GatedDeltaNet]:
+        """Linear-attention modules ordered by their index into the engine's per-layer states."""
+        layers = [m for m in self.modules() if isinstance(m, GatedDeltaNet)]
+        return sorted(layers, key=lambda m: m.linear_layer_idx)
 
     def kv_cache_shape_per_layer(self) -> list[tuple[int, int, int]]:
         """``(num_kv_heads, head_dim, v_head_dim)`` for each full-attention layer, in kv_caches order."""

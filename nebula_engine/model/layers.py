@@ -96,6 +96,8 @@ class RopeAttention(FusedProjections):
     ``AttentionContext.kv_caches`` (not the decoder-layer index, which differs in hybrid models).
     """
 
+    latent_rope_dim: int | None = None  # caches K and V, not a latent (see ``MLAttention.latent_rope_dim``)
+
     def __init__(self, config: ModelConfig, attn_layer_idx: int, qk_norm: bool = False, output_gate: bool = False,
                  zero_centered_norm: bool = False, sliding_window: int | None = None):
         super().__init__()
@@ -233,6 +235,8 @@ class SharedExpertMoE(SparseMoE):
 
 class DecoderLayer(nn.Module):
     """Pre-norm block: ``x += mixer(norm1(x)); x += mlp(norm2(x))``."""
+
+    is_linear = False  # its mixer is attention (``self_attn``), never linear attention
 
     def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float):
         super().__init__()

@@ -112,6 +112,11 @@ class MLAttention(nn.Module):
         k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, mla.num_heads, -1)], dim=-1)
         return k, v
 
+    @property
+    def latent_rope_dim(self) -> int:
+        """Dr: a cached latent row is [c̃ (R) | rotated k_pe (Dr)], RoPE in its last Dr columns only."""
+        return self.mla.qk_rope_head_dim
+
     def kv_cache_spec(self, dtype: torch.dtype) -> MLALatentSpec:
         return MLALatentSpec(self.mla.kv_lora_rank, self.mla.qk_rope_head_dim, dtype)
 

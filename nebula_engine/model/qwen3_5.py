@@ -11,14 +11,14 @@ vision tower (``model.visual.``) and multi-token-prediction head (``mtp.``) are 
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence, TypeVar
 
 import torch
 from torch import nn
 
 from nebula_engine.kernels.attention import AttentionContext, AttentionMetadata
 from nebula_engine.kvcache.spec import KVCacheGroupSpec
-from nebula_engine.model.base import CausalLM
+from nebula_engine.model.base import CausalLM, LayerRows
 from nebula_engine.model.config import ModelConfig
 from nebula_engine.model.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig, LinearAttentionState
 from nebula_engine.model.layers import GatedMLP, RMSNorm, RopeAttention, SharedExpertMoE
@@ -26,6 +26,8 @@ from nebula_engine.model.layers import GatedMLP, RMSNorm, RopeAttention, SharedE
 LINEAR, FULL = "linear_attention", "full_attention"
 LinearStates = Sequence[Sequence[LinearAttentionState | None]]  # [L][B]
 _VL_PREFIX, _TEXT_PREFIX = "model.language_model.", "model."
+Extra = TypeVar("Extra")  # what a caller's linear mixer returns besides its output
+LinearMixer = Callable[[GatedDeltaNet, torch.Tensor], tuple[torch.Tensor, Extra]]  # (linear_attn, normed) -> ...
 
 
 def layer_types(raw: dict, num_layers: int) -> list[str]:
@@ -60,8 +62,16 @@ class HybridDecoderLayer(nn.Module):
             mixed, new_states = self._linear(normed, attn_ctx.meta.query_start_loc, states)
         else:
             mixed, new_states = self.self_attn(positions, normed, attn_ctx), None
-        hidden = hidden + mixed
-        return hidden + self.mlp(self.post_attention_layernorm(hidden)), new_states
+        return self._add_mlp(hidden + mixed), new_states
+
+    def forward_linear(self, hidden: torch.Tensor, mix: LinearMixer[Extra]) -> tuple[torch.Tensor, Extra]:
+        """This linear-attention block with ``mix(linear_attn, normed) -> (mixed [T, Hd], extra)`` as its token
+        mixer, for a caller that carries the recurrent state its own way (HYPIC); returns (hidden [T, Hd], extra)."""
+        mixed, extra = mix(self.linear_attn, self.input_layernorm(hidden))
+        return self._add_mlp(hidden + mixed), extra
+
+    def _add_mlp(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
     def _linear(self, x, starts, states):
         """Sequences with one new token (decode) in one batched call; prefill chunks one sequence at a time."""
@@ -95,6 +105,9 @@ class HybridDecoderLayer(nn.Module):
 
 
 class Qwen3_5ForCausalLM(CausalLM):
+    """Its layers return (hidden, new states), so ``run_layers`` always runs them through a hook: the one in
+    ``forward_with_states``, or HYPIC's."""
+
     ignored_weights = CausalLM.ignored_weights + (r"^model\.visual\.", r"^mtp\.")
 
     def __init__(self, config: ModelConfig):
@@ -134,14 +147,16 @@ class Qwen3_5ForCausalLM(CausalLM):
         context); also returns the states after this batch, in the same [L][B] layout."""
         if states is None and self.num_linear_layers and _continues_a_context(attn_ctx.meta):
             raise ValueError("a sequence continues an earlier context: its linear-attention states must be passed")
-        hidden = self.model.embed_tokens(input_ids)
         new_states = []
-        for layer in self.model.layers:
+
+        def carry_states(layer_idx: int, layer: HybridDecoderLayer, rows: LayerRows) -> LayerRows:
             layer_states = states[len(new_states)] if states is not None and layer.is_linear else None
-            hidden, layer_new = layer(positions, hidden, attn_ctx, layer_states)
+            hidden, layer_new = layer(*rows, layer_states)
             if layer_new is not None:
                 new_states.append(layer_new)
-        return self.model.norm(hidden), new_states
+            return rows._replace(hidden=hidden)
+
+        return self.run_layers(input_ids, positions, attn_ctx, carry_states).hidden, new_states
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights((_text_model_name(name), tensor) for name, tensor in weights)

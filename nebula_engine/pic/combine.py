@@ -4,9 +4,9 @@ blended forward (spec Part B) over a chosen set of rows F.
 Legend: N = prompt tokens, F = recomputed rows (sorted positions), S = page size, Hd = hidden size.
 
 ``CombineRun`` is everything a backend needs about one request: its tokens, its layout, its pages (already
-holding the exact prefix and the re-rotated reused KV) and the model. ``blended_forward`` runs every decoder
-layer on the rows F only: fresh K/V of F overwrite the placed ones, and row i attends to every context key
-j <= position(i) (the exact partial-causal mask). At check layers a ``RowSelection`` may shrink F.
+holding the exact prefix and the re-rotated reused KV) and the model. ``blended_forward`` runs the model's layer
+loop (``CausalLM.run_layers``) on the rows F only: fresh K/V of F overwrite the placed ones, and row i attends to
+every context key j <= position(i) (the exact partial-causal mask). At check layers a ``RowSelection`` may shrink F.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from torch import nn
 
 from nebula_engine.kernels.attention import AttentionBackend, AttentionContext, AttentionMetadata
 from nebula_engine.kernels.mla_attention import MLAAttentionBackend
+from nebula_engine.model.base import LayerRows
 from nebula_engine.pic.layout import CombineLayout
 from nebula_engine.pic.rope_shift import shift_cached_keys
 
@@ -102,18 +103,27 @@ class RowSelection(Protocol):
 
 def blended_forward(run: CombineRun, rows: torch.Tensor, selection: RowSelection | None = None) -> CombineResult:
     """Decoder layers on rows F only (attention-only models); returns the last token's hidden state."""
-    model = run.model
-    hidden = model.model.embed_tokens(run.token_ids[rows])
-    for layer_idx, layer in enumerate(model.model.layers):
-        if selection is not None and layer_idx in selection.check_layers:
-            before = selection.before(layer_idx, run, rows)
-            ctx = run.context(rows, recording=True)
-            hidden = layer(rows, hidden, ctx)
-            keep = selection.select(layer_idx, run, rows, before, ctx)
-            hidden, rows = hidden[keep], rows[keep]
-        else:
-            hidden = layer(rows, hidden, run.context(rows))
-    return CombineResult(model.model.norm(hidden[-1:]), run.layout.count_reused(rows.tolist()))
+    hook = None if selection is None else _SelectAtCheckLayers(run, selection)
+    out = run.model.run_layers(run.token_ids[rows], rows, run.context(rows), hook)
+    return CombineResult(out.hidden[-1:], run.layout.count_reused(out.positions.tolist()))
+
+
+@dataclass(frozen=True)
+class _SelectAtCheckLayers:
+    """Layer hook: a check layer runs with a recording context, then only the rows ``selection`` keeps go on."""
+
+    run: CombineRun
+    selection: RowSelection
+
+    def __call__(self, layer_idx: int, layer: nn.Module, rows: LayerRows) -> LayerRows:
+        if layer_idx not in self.selection.check_layers:
+            return rows._replace(hidden=layer(*rows))
+        before = self.selection.before(layer_idx, self.run, rows.positions)
+        ctx = self.run.context(rows.positions, recording=True)
+        hidden = layer(rows.positions, rows.hidden, ctx)
+        keep = self.selection.select(layer_idx, self.run, rows.positions, before, ctx)
+        positions = rows.positions[keep]
+        return LayerRows(positions, hidden[keep], self.run.context(positions))
 
 
 def place_reused_kv(run: CombineRun) -> None:
@@ -136,8 +146,7 @@ def place_reused_kv(run: CombineRun) -> None:
         for cache in tensors:
             flat = cache.view(-1, *cache.shape[2:])
             flat[dst_slots] = flat[src_slots]
-        latent_rope_dim = layer.mla.qk_rope_head_dim if hasattr(layer, "mla") else None
-        shift_cached_keys(tensors[0], dst_slots, deltas, layer.rotary, latent_rope_dim)
+        shift_cached_keys(tensors[0], dst_slots, deltas, layer.rotary, layer.latent_rope_dim)
 
 
 def cached_values(run: CombineRun, layer_idx: int, positions: torch.Tensor, which: str) -> torch.Tensor:
@@ -145,10 +154,9 @@ def cached_values(run: CombineRun, layer_idx: int, positions: torch.Tensor, whic
     which plays V) or ``"key"`` (post-RoPE K, or MLA's k_pe)."""
     tensors = run.kv_caches[layer_idx]
     slots = run.slots(positions)
-    if len(tensors) == 2:
+    rope = run.model.attention_layers()[layer_idx].latent_rope_dim
+    if rope is None:
         cache = tensors[1] if which == "value" else tensors[0]
         return cache.view(-1, *cache.shape[2:])[slots].clone()
-    layer = run.model.attention_layers()[layer_idx]
     rows = tensors[0].view(-1, tensors[0].shape[-1])[slots]
-    rope = layer.mla.qk_rope_head_dim
     return (rows[:, :-rope] if which == "value" else rows[:, -rope:]).clone()

@@ -29,7 +29,7 @@ class UnsupportedModelError(ValueError):
 
 
 def has_linear_attention(model: nn.Module) -> bool:
-    return getattr(model, "num_linear_layers", 0) > 0
+    return model.num_linear_layers > 0
 
 
 @dataclass(frozen=True)

@@ -15,12 +15,14 @@ is EPIC with ``k = seam``, the first segment included.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from functools import partial
+from typing import Any, Callable, ClassVar
 
 import torch
 from torch import nn
 
-from nebula_engine.model.gated_deltanet import LinearAttentionState
+from nebula_engine.model.base import LayerRows
+from nebula_engine.model.gated_deltanet import GatedDeltaNet, LinearAttentionState
 from nebula_engine.pic.backends.base import PICBackend, SegmentPrefill, has_linear_attention
 from nebula_engine.pic.combine import CombineResult, CombineRun, blended_forward
 from nebula_engine.pic.layout import CombineLayout, ReusedSpan
@@ -43,8 +45,7 @@ class HYPIC(PICBackend):
         tokens, the tail's first convolutions read tokens before the segment, which differ between the isolated
         prefill its map was computed in and the request (so even the first linear layer would be wrong)."""
         super().check_model(model)
-        window = max((layer.linear_attn.cfg.conv_kernel - 1 for layer in model.model.layers
-                      if getattr(layer, "is_linear", False)), default=0)
+        window = max((mixer.cfg.conv_kernel - 1 for mixer in model.linear_attention_layers()), default=0)
         if self.seam < window:
             raise ValueError(f"hypic: seam={self.seam} is below conv_kernel - 1 = {window} of this model's "
                              f"linear-attention layers; the seam must cover a cached tail's conv window "
@@ -64,22 +65,9 @@ class HYPIC(PICBackend):
             return super().prefill_segment(model, prefill)
         ids, positions, ctx = prefill.inputs()
         head = prefill.position_offset + self.seam  # rows before the cached tail
-        hidden = model.model.embed_tokens(ids)
-        linear_states = []
-        for layer in model.model.layers:
-            normed = layer.input_layernorm(hidden)
-            if layer.is_linear:
-                mixed, end = layer.linear_attn(normed, None)
-                entry = {"conv": end.conv}
-                if ids.numel() > head:
-                    _, head_state = layer.linear_attn(normed[:head], None)
-                    entry["M"], entry["N"] = layer.linear_attn.transition(normed[head:], head_state.conv)
-                linear_states.append(entry)
-            else:
-                mixed = layer.self_attn(positions, normed, ctx)
-            hidden = hidden + mixed
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        return {"position_offset": prefill.position_offset, "seam": self.seam, "linear": linear_states}
+        hook = _MixLinearLayers(lambda linear_idx, mixer, normed: _segment_tail_map(mixer, normed, head))
+        model.run_layers(ids, positions, ctx, hook)
+        return {"position_offset": prefill.position_offset, "seam": self.seam, "linear": hook.extras}
 
     def composed_tails(self, run: CombineRun) -> list[ReusedSpan]:
         """Reused spans whose tail is composed from the cache (longer than the seam and not cut short)."""
@@ -102,21 +90,10 @@ class HYPIC(PICBackend):
             raise ValueError("hypic needs the linear-attention states at the prefix end; start from position 0")
         rows = run.positions(self.rows(run))
         tails = self.composed_tails(run)
-        model = run.model
-        hidden = model.model.embed_tokens(run.token_ids[rows])
-        ctx = run.context(rows)
-        final_states, linear_idx = [], 0
-        for layer in model.model.layers:
-            normed = layer.input_layernorm(hidden)
-            if layer.is_linear:
-                mixed, state = self._linear_layer(layer.linear_attn, normed, rows, tails, run, linear_idx)
-                final_states.append(state)
-                linear_idx += 1
-            else:
-                mixed = layer.self_attn(rows, normed, ctx)
-            hidden = hidden + mixed
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        return CombineResult(model.model.norm(hidden[-1:]), run.layout.count_reused(rows.tolist()), final_states)
+        hook = _MixLinearLayers(lambda linear_idx, mixer, normed:
+                                self._linear_layer(mixer, normed, rows, tails, run, linear_idx))
+        out = run.model.run_layers(run.token_ids[rows], rows, run.context(rows), hook)
+        return CombineResult(out.hidden[-1:], run.layout.count_reused(rows.tolist()), hook.extras)
 
     def _linear_layer(self, mixer, normed: torch.Tensor, rows: torch.Tensor, tails: list[ReusedSpan],
                       run: CombineRun, linear_idx: int) -> tuple[torch.Tensor, LinearAttentionState]:
@@ -147,6 +124,34 @@ class HYPIC(PICBackend):
 
     def combine_cost(self, layout: CombineLayout, num_layers: int) -> float:
         return float(len(self._epic_rows(layout)))
+
+
+class _MixLinearLayers:
+    """Layer hook: attention layers run as they are; linear-attention layer ``l`` (its rank among them) mixes its
+    normed input with ``mix(l, linear_attn, normed) -> (mixed, extra)``, the extras kept in ``extras``."""
+
+    def __init__(self, mix: Callable[[int, nn.Module, torch.Tensor], tuple[torch.Tensor, Any]]):
+        self.mix = mix
+        self.extras: list = []
+
+    def __call__(self, layer_idx: int, layer: nn.Module, rows: LayerRows) -> LayerRows:
+        if not layer.is_linear:
+            return rows._replace(hidden=layer(*rows)[0])
+        hidden, extra = layer.forward_linear(rows.hidden, partial(self.mix, len(self.extras)))
+        self.extras.append(extra)
+        return rows._replace(hidden=hidden)
+
+
+def _segment_tail_map(mixer: GatedDeltaNet, normed: torch.Tensor, head: int
+                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The segment through one linear layer from an empty state; cached: its last conv inputs and, when it is
+    longer than ``head`` rows, the map ``S -> M S + N`` its tail (the rows after ``head``) applies to the state."""
+    mixed, end = mixer(normed, None)
+    entry = {"conv": end.conv}
+    if normed.shape[0] > head:
+        _, head_state = mixer(normed[:head], None)
+        entry["M"], entry["N"] = mixer.transition(normed[head:], head_state.conv)
+    return mixed, entry
 
 
 def _count_below(positions: list[int], bound: int, start: int) -> int:
