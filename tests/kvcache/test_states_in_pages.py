@@ -94,7 +94,7 @@ def test_a_node_state_counts_in_sizes_and_is_released_with_its_node():
     written = []
     node = cache_prefix(store, pool, list(range(8)), state_of=written.append)
     assert len(written) == 1 and node.state_pages == tuple(written[0]) and len(node.state_pages) == 3
-    assert pool.num_used_pages == 2 + 3
+    assert pool.num_pages - pool.num_free_pages == 2 + 3
     assert store.radix.total_size == (2 + 3) * PAGE_SIZE == store.num_evictable_pages * PAGE_SIZE
     assert not store.save_node_state(node, written.append, 3)  # a node keeps its first state
     deeper = store.radix.match_prefix(list(range(8))).last_node
@@ -162,7 +162,7 @@ def test_a_pic_segment_state_lives_in_pages_counted_evicted_and_tiered():
     pages = pool.allocate(2)
     entry = store.insert_segment("seg", 6, pages, state)
     pool.release(pages)
-    assert len(entry.state_pages) == 4 and pool.num_used_pages == 2 + 4
+    assert len(entry.state_pages) == 4 and pool.num_pages - pool.num_free_pages == 2 + 4
     assert not any(isinstance(v, torch.Tensor) for layer in entry.stored_state["linear"] for v in layer.values())
     assert_same_state(entry.state, state)
     assert store.pic.total_size == 6 + 4 * PAGE_SIZE
@@ -172,7 +172,7 @@ def test_a_pic_segment_state_lives_in_pages_counted_evicted_and_tiered():
     assert store.evict(16) == 6 and pool.num_free_pages == 16
     assert store.tiers.host.used_tokens == 6 + 4 * PAGE_SIZE
     back = store.lookup_segment("seg", 6)
-    assert back is not None and len(back.state_pages) == 4 and pool.num_used_pages == 6
+    assert back is not None and len(back.state_pages) == 4 and pool.num_pages - pool.num_free_pages == 6
     assert_same_state(back.state, state)
     store.pic.unlock(back)
     store.check_integrity()
