@@ -37,14 +37,15 @@ class PagePool:
     fragmented, and attention reads consecutive pages in place rather than gathering them.
     """
 
-    def __init__(self, num_pages: int):
+    def __init__(self, num_pages: int, reclaimer: Callable[[int], int] | None = None):
+        """``reclaimer``: called with the shortfall before ``allocate`` gives up, to free cached pages (the
+        ``CacheStore`` that owns this pool passes its ``evict``)."""
         if num_pages <= 0:
             raise ValueError(f"num_pages must be positive, got {num_pages}")
         self.num_pages = num_pages
         self.ref_cnt = [0] * num_pages
         self._free = list(range(num_pages))  # a sorted list is a valid min-heap
-        # called with the shortfall before allocate gives up, to evict cached pages (prefix caching)
-        self.reclaimer: Callable[[int], int] | None = None
+        self.reclaimer = reclaimer
 
     @property
     def num_free_pages(self) -> int:
@@ -116,11 +117,11 @@ class StateSlotPool:
 class KVCacheManager:
     """Block tables per sequence on top of a ``PagePool``."""
 
-    def __init__(self, num_pages: int, page_size: int, num_state_slots: int = 0):
+    def __init__(self, pool: PagePool, page_size: int, num_state_slots: int = 0):
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
         self.page_size = page_size
-        self.pool = PagePool(num_pages)
+        self.pool = pool
         self.block_tables: dict[str, list[int]] = {}
         self.state_slots = StateSlotPool(num_state_slots) if num_state_slots else None
 

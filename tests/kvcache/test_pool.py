@@ -46,7 +46,7 @@ def test_shared_page_returns_to_free_list_after_last_release():
 
 
 def test_block_table_grows_page_by_page():
-    kv = KVCacheManager(num_pages=8, page_size=4)
+    kv = KVCacheManager(PagePool(8), page_size=4)
     assert kv.allocate_slots("a", 5) == [0, 1]
     assert kv.allocate_slots("a", 8) == []
     assert kv.allocate_slots("a", 9) == [2]
@@ -59,7 +59,7 @@ def test_block_table_grows_page_by_page():
 
 
 def test_out_of_pages_leaves_block_table_unchanged():
-    kv = KVCacheManager(num_pages=2, page_size=4)
+    kv = KVCacheManager(PagePool(2), page_size=4)
     kv.allocate_slots("a", 4)
     with pytest.raises(OutOfPagesError):
         kv.allocate_slots("a", 12)
@@ -81,7 +81,7 @@ def _check_invariants(kv: KVCacheManager) -> None:
 @pytest.mark.parametrize("seed", range(5))
 def test_random_alloc_free_keeps_accounting_exact(seed):
     rng = random.Random(seed)
-    kv = KVCacheManager(num_pages=32, page_size=4)
+    kv = KVCacheManager(PagePool(32), page_size=4)
     lengths: dict[str, int] = {}
     for step in range(400):
         op = rng.random()
@@ -122,7 +122,7 @@ def test_storage_allocates_per_layer_tensors():
 
 def test_freed_pages_come_back_as_consecutive_runs():
     """Attention reads consecutive pages in place, so freeing must not scramble the free list."""
-    kv = KVCacheManager(num_pages=8, page_size=4)
+    kv = KVCacheManager(PagePool(8), page_size=4)
     kv.allocate_slots("a", 16)
     kv.allocate_slots("b", 16)
     kv.free("b")

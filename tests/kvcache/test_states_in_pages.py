@@ -10,7 +10,7 @@ from nebula_engine.kvcache.events import CacheIndex, Tier
 from nebula_engine.kvcache.page_blob import (LinearStateIO, PageBlobIO, TensorLayout, TensorRef, pack_tensors,
                                              unpack_tensors)
 from nebula_engine.kvcache.page_io import StoragePageIO
-from nebula_engine.kvcache.pool import KVCacheError, KVCacheStorage, PagePool
+from nebula_engine.kvcache.pool import KVCacheError, KVCacheStorage
 from nebula_engine.kvcache.spec import FullAttentionSpec, KVCacheGroupSpec, LinearStateSpec, bytes_per_page
 from nebula_engine.kvcache.tiers import TierConfig
 
@@ -24,11 +24,9 @@ GROUPS = [KVCacheGroupSpec((0,), FullAttentionSpec(1, 2, 2)),
 
 def make(num_pages=16, tiers=None):
     storage = KVCacheStorage(GROUPS, num_pages, PAGE_SIZE, "cpu", num_state_slots=2)
-    pool = PagePool(num_pages)
-    store = CacheStore(pool, PAGE_SIZE, tiers=tiers, page_io=StoragePageIO(storage))
-    store.blob_io = PageBlobIO(storage)
-    pool.reclaimer = store.evict
-    return storage, pool, store
+    store = CacheStore(num_pages, PAGE_SIZE, tiers=tiers, page_io=StoragePageIO(storage),
+                       blob_io=PageBlobIO(storage))
+    return storage, store.pool, store
 
 
 def random_tensors(seed):
