@@ -2,8 +2,8 @@
 
 Both types draw pages from the same pool (the shared budget, DESIGN §4), which the store owns: it builds the
 pool with ``evict`` as its reclaimer, so when the pool is short, ``evict`` frees unlocked pages, the eviction
-policy choosing the type each time and each store its LRU victim. Every store and evict becomes an event in ``events``; ``snapshot()`` is the index those
-events describe.
+policy choosing the type each time and each store its LRU victim. Every store and evict becomes an event in
+``events``; ``snapshot()`` is the index those events describe.
 
 Handles returned by ``insert_prefix`` / ``insert_segment`` / ``promote_prefix`` / ``lookup_segment``
 come back locked: an unlocked handle's pages may be evicted by the next allocation.
@@ -11,9 +11,9 @@ come back locked: an unlocked handle's pages may be evicted by the next allocati
 With lower tiers (``TierConfig``) an evicted entry is demoted instead of dropped, its page contents
 read through ``page_io``; a prefix or segment found on a lower tier is promoted into fresh pages.
 
-States live in pool pages too (``page_blob``, through ``blob_io`` when the store is given one): a prefix node's linear-attention
-state (hybrid models) and the tensors of a PIC segment's backend state (HYPIC's transition maps). They count in the
-stores' sizes, leave the device with their entry, and are charged to the tiers by their pages.
+States live in pool pages too (``page_blob``, through ``blob_io`` when the store is given one): a prefix node's
+linear-attention state (hybrid models) and the tensors of a PIC segment's backend state (HYPIC's transition maps).
+They count in the stores' sizes, leave the device with their entry, and are charged to the tiers by their pages.
 """
 
 from __future__ import annotations
