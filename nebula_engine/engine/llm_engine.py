@@ -9,7 +9,8 @@ import torch
 
 from nebula_engine.config import EngineConfig, ModelConfig
 from nebula_engine.engine.admission import ENGINE_DEFAULT, AdmittedRequest, admit
-from nebula_engine.engine.model_runner import ModelRunner
+from nebula_engine.engine.kv_cache_builder import KVCache, build_kv_cache
+from nebula_engine.engine.model_runner import ModelRunner, latent_attention_backend
 from nebula_engine.engine.output_processor import OutputProcessor
 from nebula_engine.engine.pic_executor import PICExecutor
 from nebula_engine.engine.outputs import RequestOutput
@@ -21,12 +22,7 @@ from nebula_engine.engine.sequence import Sequence
 from nebula_engine.engine.structured_outputs import GrammarCompiler
 from nebula_engine.engine.tokenizer import Tokenizer
 from nebula_engine.kernels.attention import get_attention_backend, resolve_attention_backend
-from nebula_engine.kvcache.cache_store import CacheStoreConfig
-from nebula_engine.kvcache.page_blob import LinearStateIO, PageBlobIO
-from nebula_engine.kvcache.page_io import StoragePageIO
-from nebula_engine.kvcache.pool import KVCacheManager, KVCacheStorage, num_pages_for_budget
-from nebula_engine.kvcache.prefix_caching import PrefixCachingKVCacheManager
-from nebula_engine.kvcache.tiers import TierConfig
+from nebula_engine.kvcache.pool import num_pages_for_budget
 from nebula_engine.model.loader import load_model
 from nebula_engine.pic.backends import PICBackend, resolve_pic_backend
 from nebula_engine.pic.segments import SegmentedPrompt
@@ -52,24 +48,11 @@ class LLMEngine:
         eos_token_ids = self._eos_token_ids()
         self.grammar_compiler = (GrammarCompiler(self.tokenizer.hf, self.model_config.vocab_size, eos_token_ids)
                                  if self.tokenizer is not None else None)
-        self.scheduler = Scheduler(config.scheduler, self._kv_cache_manager(num_pages, num_state_slots))
-        self.model_runner = ModelRunner(model, KVCacheStorage(groups, num_pages, page_size, config.device,
-                                                              num_state_slots),
-                                        get_attention_backend(resolve_attention_backend(config.attention_backend,
-                                                                                        config.device)),
-                                        Sampler(config.seed, config.device, eos_token_ids, self.grammar_compiler),
-                                        config.device)
-        kv_cache = self.scheduler.kv_cache
-        self.cache_store = kv_cache.cache if isinstance(kv_cache, PrefixCachingKVCacheManager) else None
-        if self.cache_store is not None:
-            self.cache_store.page_io = StoragePageIO(self.model_runner.kv_storage)
-            self.cache_store.blob_io = PageBlobIO(self.model_runner.kv_storage)
-            if num_state_slots:  # hybrid: cached prefixes carry the linear-attention state in pool pages
-                kv_cache.state_io = LinearStateIO(self.cache_store.blob_io, self.model_runner.kv_storage.linear_states)
-            prefix = self.tokenizer.prompt_prefix_ids if self.tokenizer is not None else []
-            self.model_runner.pic_executor = PICExecutor(
-                model, self.model_runner.kv_storage, self.cache_store, self.model_runner.attention_backend,
-                self.model_runner.mla_backend, self._model_id(), prefix[0] if len(prefix) == 1 else None)
+        kv_cache = build_kv_cache(config.cache, groups, num_pages, num_state_slots, config.device, self._model_id(),
+                                  with_pic=self.pic_backend is not None)
+        self.cache_store = kv_cache.cache_store  # None: prefix caching and PIC both off
+        self.scheduler = Scheduler(config.scheduler, kv_cache.manager, kv_cache.prefix_cache)
+        self.model_runner = self._model_runner(model, kv_cache, eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer, eos_token_ids, self.max_model_len)
         self._sequences: dict[str, Sequence] = {}
         self._parents: dict[str, ParentRequest] = {}  # n > 1 requests by id
@@ -80,20 +63,20 @@ class LLMEngine:
         source = Path(self.config.model).expanduser()
         return f"{source.resolve() if source.exists() else self.config.model}:{self.config.dtype}"
 
-    def _kv_cache_manager(self, num_pages: int, num_state_slots: int) -> KVCacheManager:
-        """Prefix caching and the PIC store share one ``CacheStore``; with linear-attention layers a cached
-        prefix also keeps the state after it, in pool pages (``prefix_caching``)."""
-        cache = self.config.cache
-        prefix_matching = cache.enable_prefix_caching
-        if not prefix_matching and self.pic_backend is None:
-            return KVCacheManager(num_pages, cache.page_size, num_state_slots)
-        store = CacheStoreConfig(cache.worker_id, self._model_id(), cache.eviction_policy, cache.pc_share)
-        tiers = None
-        if cache.host_cache_tokens or cache.disk_cache_tokens:
-            tiers = TierConfig(cache.host_cache_tokens, cache.disk_cache_tokens, cache.disk_cache_path,
-                               cache.demote_on_evict)
-        return PrefixCachingKVCacheManager(num_pages, cache.page_size, num_state_slots, store_config=store,
-                                           tiers=tiers, enable_prefix_matching=prefix_matching)
+    def _model_runner(self, model: torch.nn.Module, kv_cache: KVCache, eos_token_ids: set[int]) -> ModelRunner:
+        """The model runner over ``kv_cache``'s storage, with the PIC executor it runs combine prefills with when
+        there is a cache store to keep segments in."""
+        config = self.config
+        attention_backend = get_attention_backend(resolve_attention_backend(config.attention_backend, config.device))
+        mla_backend = latent_attention_backend(attention_backend, kv_cache.storage.groups)
+        sampler = Sampler(config.seed, config.device, eos_token_ids, self.grammar_compiler)
+        pic_executor = None
+        if kv_cache.cache_store is not None:
+            prefix = self.tokenizer.prompt_prefix_ids if self.tokenizer is not None else []
+            pic_executor = PICExecutor(model, kv_cache.storage, kv_cache.cache_store, attention_backend, mla_backend,
+                                       self._model_id(), prefix[0] if len(prefix) == 1 else None)
+        return ModelRunner(model, kv_cache.storage, attention_backend, mla_backend, sampler, config.device,
+                           pic_executor)
 
     def _max_model_len(self, model_config: ModelConfig, pool_tokens: int) -> int:
         # a lone sequence must always fit in the pool, or preemption could never make room for it

@@ -19,12 +19,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from nebula_engine.engine.pic_executor import PICExecutor
 from nebula_engine.engine.sampler import RowHistory, Sampler, SamplerOutput, TopLogprobs, top_logprobs
 from nebula_engine.engine.scheduler import ScheduledSequence, SchedulerOutput
 from nebula_engine.kernels.attention import AttentionBackend, AttentionContext, AttentionMetadata
-from nebula_engine.kernels.mla_attention import mla_backend_for
+from nebula_engine.kernels.mla_attention import MLAAttentionBackend, mla_backend_for
 from nebula_engine.kvcache.pool import KVCacheStorage
-from nebula_engine.kvcache.spec import MLALatentSpec
+from nebula_engine.kvcache.spec import KVCacheGroupSpec, MLALatentSpec
 from nebula_engine.model.gated_deltanet import LinearAttentionState
 
 logger = logging.getLogger(__name__)
@@ -51,18 +52,27 @@ class ModelRunnerOutput:
 PROMPT_LOGPROBS_ROWS = 512
 
 
+def latent_attention_backend(attention_backend: AttentionBackend,
+                             groups: list[KVCacheGroupSpec]) -> MLAAttentionBackend | None:
+    """The backend MLA layers read their latent caches through: the MLA backend named like ``attention_backend``
+    (torch where there is none); None for a model without MLA layers."""
+    has_latent = any(isinstance(g.spec, MLALatentSpec) for g in groups)
+    return mla_backend_for(attention_backend.name) if has_latent else None
+
+
 class ModelRunner:
     def __init__(self, model: nn.Module, kv_storage: KVCacheStorage, attention_backend: AttentionBackend,
-                 sampler: Sampler, device: torch.device | str):
+                 mla_backend: MLAAttentionBackend | None, sampler: Sampler, device: torch.device | str,
+                 pic_executor: PICExecutor | None = None):
+        """``mla_backend``: ``latent_attention_backend`` of the storage's groups; ``pic_executor``: runs the combine
+        prefills (None: this engine serves no PIC backend)."""
         self.model = model
         self.kv_storage = kv_storage
         self.attention_backend = attention_backend
-        has_latent = any(isinstance(g.spec, MLALatentSpec) for g in kv_storage.groups)
-        # MLA layers read latent caches through the MLA backend of the same name (torch where there is none)
-        self.mla_backend = mla_backend_for(attention_backend.name) if has_latent else None
+        self.mla_backend = mla_backend
         self.sampler = sampler
         self.device = torch.device(device)
-        self.pic_executor = None  # engine.pic_executor.PICExecutor when PIC is on: runs combine prefills
+        self.pic_executor = pic_executor
 
     @torch.inference_mode()
     def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:

@@ -56,11 +56,15 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager,
+                 prefix_cache: PrefixCachingKVCacheManager | None = None):
+        """``prefix_cache``: ``kv_cache`` again when sequences match and cache their prefixes in it; None: prefix
+        caching is off (a ``PrefixCachingKVCacheManager`` may still serve the PIC store alone)."""
+        if prefix_cache is not None and prefix_cache is not kv_cache:
+            raise ValueError("prefix_cache must be kv_cache itself: both hand out the same block tables")
         self.config = config
         self.kv_cache = kv_cache
-        self.prefix_cache = (kv_cache if isinstance(kv_cache, PrefixCachingKVCacheManager)
-                             and kv_cache.enable_prefix_matching else None)
+        self.prefix_cache = prefix_cache
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._finished_seq_ids: list[str] = []

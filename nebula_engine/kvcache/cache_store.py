@@ -1,9 +1,9 @@
 """One worker's cached KV: the PC radix tree and the PIC segment store over one ``PagePool``.
 
-Both types draw pages from the same pool (the shared budget, DESIGN §4). When the pool is short,
-``evict`` frees unlocked pages, the eviction policy choosing the type each time and each store its
-LRU victim. Every store and evict becomes an event in ``events``; ``snapshot()`` is the index those
-events describe.
+Both types draw pages from the same pool (the shared budget, DESIGN §4), which the store owns: it builds the
+pool with ``evict`` as its reclaimer, so when the pool is short, ``evict`` frees unlocked pages, the eviction
+policy choosing the type each time and each store its LRU victim. Every store and evict becomes an event in
+``events``; ``snapshot()`` is the index those events describe.
 
 Handles returned by ``insert_prefix`` / ``insert_segment`` / ``promote_prefix`` / ``lookup_segment``
 come back locked: an unlocked handle's pages may be evicted by the next allocation.
@@ -11,9 +11,9 @@ come back locked: an unlocked handle's pages may be evicted by the next allocati
 With lower tiers (``TierConfig``) an evicted entry is demoted instead of dropped, its page contents
 read through ``page_io``; a prefix or segment found on a lower tier is promoted into fresh pages.
 
-States live in pool pages too (``page_blob``, through ``blob_io`` once attached): a prefix node's linear-attention
-state (hybrid models) and the tensors of a PIC segment's backend state (HYPIC's transition maps). They count in the
-stores' sizes, leave the device with their entry, and are charged to the tiers by their pages.
+States live in pool pages too (``page_blob``, through ``blob_io`` when the store is given one): a prefix node's
+linear-attention state (hybrid models) and the tensors of a PIC segment's backend state (HYPIC's transition maps).
+They count in the stores' sizes, leave the device with their entry, and are charged to the tiers by their pages.
 """
 
 from __future__ import annotations
@@ -45,23 +45,27 @@ class CacheStoreConfig:
 
 
 class CacheStore:
-    def __init__(self, pool: PagePool, page_size: int, config: CacheStoreConfig = CacheStoreConfig(),
-                 tiers: TierConfig | None = None, page_io: PageIO | None = None):
-        self.pool = pool
+    def __init__(self, num_pages: int, page_size: int, config: CacheStoreConfig = CacheStoreConfig(),
+                 tiers: TierConfig | None = None, page_io: PageIO | None = None, blob_io: PageBlobIO | None = None):
+        """A pool of ``num_pages`` pages, built here with ``evict`` as its reclaimer. ``page_io`` copies pages
+        to and from the lower ``tiers`` (required with tiers); ``blob_io`` keeps PIC states in pool pages (None:
+        they stay tensors, outside the pool's budget)."""
+        if tiers is not None and page_io is None:
+            raise ValueError("lower cache tiers need a page_io to copy pages off and back onto the device")
+        self.pool = PagePool(num_pages, reclaimer=self.evict)
         self.page_size = page_size
         self.config = config
-        self.events = EventLog(config.worker_id)
-        clock = itertools.count(1)  # one clock for both types, so unified-lru can compare them
-        self.radix = RadixCache(pool, page_size, self.events, clock, config.model_id)
-        self.pic = PICStore(pool, page_size, self.events, clock)
-        self.policy = make_eviction_policy(config.eviction_policy, config.pc_share)
-        self.page_io = page_io  # may be attached later, before the first eviction
-        self.blob_io: PageBlobIO | None = None  # attached by an engine: PIC states then live in pool pages
+        self.page_io = page_io
+        self.blob_io = blob_io
         self.num_states_outside_pages = 0  # PIC states kept as tensors: the pool had no room for their pages
+        self.events = EventLog(config.worker_id)
         self.tiers = TierChain(tiers, self.events) if tiers is not None else None
-        if self.tiers is not None:
-            self.radix.demote, self.pic.demote = self._demote_node, self._demote_segment
-            self.radix.discard_lower = self.pic.discard_lower = self.tiers.discard
+        demote_node, demote_segment, discard_lower = (
+            (self._demote_node, self._demote_segment, self.tiers.discard) if self.tiers else (None, None, None))
+        clock = itertools.count(1)  # one clock for both types, so unified-lru can compare them
+        self.radix = RadixCache(self.pool, page_size, self.events, clock, config.model_id, demote_node, discard_lower)
+        self.pic = PICStore(self.pool, page_size, self.events, clock, demote_segment, discard_lower)
+        self.policy = make_eviction_policy(config.eviction_policy, config.pc_share)
 
     def _demote_node(self, node: TreeNode) -> bool:
         payload = {"pages": self.page_io.read_pages([node.page])}
@@ -178,8 +182,8 @@ class CacheStore:
 
     def _insert_segment(self, key: str, num_tokens: int, pages: list[int], state: Mapping[str, Any] | None,
                         promoted: bool = False) -> PICEntry:
-        """``pic.insert``, the tensors of ``state`` moved into pool pages of their own when a ``blob_io`` is
-        attached. Without room for those pages the state stays as tensors (counted in
+        """``pic.insert``, the tensors of ``state`` moved into pool pages of their own when the store has a
+        ``blob_io``. Without room for those pages the state stays as tensors (counted in
         ``num_states_outside_pages``)."""
         skeleton, tensors = pack_tensors(dict(state or {}))
         if self.blob_io is None or not tensors or key in self.pic:

@@ -58,7 +58,10 @@ class PICEntry:
 
 
 class PICStore:
-    def __init__(self, pool: PagePool, page_size: int, events: EventLog, clock: Iterator[int]):
+    def __init__(self, pool: PagePool, page_size: int, events: EventLog, clock: Iterator[int],
+                 demote: Callable[[PICEntry], bool] | None = None,
+                 discard_lower: Callable[[CacheKind, str], None] | None = None):
+        """``demote`` and ``discard_lower``: the lower tiers' hooks, as in ``RadixCache``."""
         self.pool = pool
         self.page_size = page_size
         self.events = events
@@ -67,9 +70,8 @@ class PICStore:
         self.evictable_size = 0  # tokens of unlocked entries
         self.protected_size = 0
         self.num_evictable_pages = 0
-        # lower-tier hooks, as in RadixCache
-        self.demote: Callable[[PICEntry], bool] | None = None
-        self.discard_lower: Callable[[CacheKind, str], None] | None = None
+        self.demote = demote
+        self.discard_lower = discard_lower
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -38,22 +37,19 @@ class PagePool:
     fragmented, and attention reads consecutive pages in place rather than gathering them.
     """
 
-    def __init__(self, num_pages: int):
+    def __init__(self, num_pages: int, reclaimer: Callable[[int], int] | None = None):
+        """``reclaimer``: called with the shortfall before ``allocate`` gives up, to free cached pages (the
+        ``CacheStore`` that owns this pool passes its ``evict``)."""
         if num_pages <= 0:
             raise ValueError(f"num_pages must be positive, got {num_pages}")
         self.num_pages = num_pages
         self.ref_cnt = [0] * num_pages
         self._free = list(range(num_pages))  # a sorted list is a valid min-heap
-        # called with the shortfall before allocate gives up, to evict cached pages (prefix caching)
-        self.reclaimer: Callable[[int], int] | None = None
+        self.reclaimer = reclaimer
 
     @property
     def num_free_pages(self) -> int:
         return len(self._free)
-
-    @property
-    def num_used_pages(self) -> int:
-        return self.num_pages - len(self._free)
 
     def allocate(self, n: int) -> list[int]:
         """``n`` fresh pages with ref count 1; all or nothing."""
@@ -118,22 +114,14 @@ class StateSlotPool:
             self._free.append(slot)
 
 
-@dataclass(frozen=True)
-class PageCopy:
-    """Copy one page's contents in every group (copy-on-write of a shared partial page)."""
-
-    src: int
-    dst: int
-
-
 class KVCacheManager:
     """Block tables per sequence on top of a ``PagePool``."""
 
-    def __init__(self, num_pages: int, page_size: int, num_state_slots: int = 0):
+    def __init__(self, pool: PagePool, page_size: int, num_state_slots: int = 0):
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
         self.page_size = page_size
-        self.pool = PagePool(num_pages)
+        self.pool = pool
         self.block_tables: dict[str, list[int]] = {}
         self.state_slots = StateSlotPool(num_state_slots) if num_state_slots else None
 
@@ -183,24 +171,6 @@ class KVCacheManager:
         if self.state_slots is not None:
             self.state_slots.release(seq_id)
 
-    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> list[PageCopy]:
-        """Give ``child_id`` the first ``num_tokens`` tokens of ``parent_id``.
-
-        Full pages are shared (ref count + 1); a partially filled last page gets a private copy
-        because both sequences will append into it. Returns the page copies the runner must apply.
-        """
-        if child_id in self.block_tables:
-            raise KVCacheError(f"sequence {child_id!r} already has a block table")
-        if self.state_slots is not None:
-            raise KVCacheError("fork copies pages only; a linear-attention state slot cannot be shared")
-        parent = self.block_tables[parent_id][: self.pages_for(num_tokens)]
-        num_full = num_tokens // self.page_size
-        tail = self.pool.allocate(len(parent) - num_full)
-        self.pool.share(parent[:num_full])
-        copies = [PageCopy(src, dst) for src, dst in zip(parent[num_full:], tail)]
-        self.block_tables[child_id] = parent[:num_full] + tail
-        return copies
-
 
 def num_pages_for_budget(groups: list[KVCacheGroupSpec], page_size: int, budget_bytes: int,
                          num_state_slots: int = 0) -> int:
@@ -233,12 +203,3 @@ class KVCacheStorage:
         self.linear_states: list[tuple[torch.Tensor, torch.Tensor]] = states
         self.num_pages = num_pages
         self.page_size = page_size
-
-    def copy_pages(self, copies: list[PageCopy]) -> None:
-        if not copies:
-            return
-        src = torch.tensor([c.src for c in copies], device=self.layer_caches[0][0].device)
-        dst = torch.tensor([c.dst for c in copies], device=src.device)
-        for tensors in self.layer_caches:
-            for t in tensors:
-                t.index_copy_(0, dst, t.index_select(0, src))

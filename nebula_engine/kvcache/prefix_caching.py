@@ -10,7 +10,7 @@ it accepts (its PIC backend's spec). It caches its pages as exact up to its exac
 K/V an approximate combine made, or the first approximate page it matched) and as its provenance after it;
 a sequence with no provenance does not cache pages past its exact limit.
 
-Hybrid models (linear-attention state slots, ``state_io`` attached): a cached prefix is usable only up to its
+Hybrid models (linear-attention state slots, with a ``state_io``): a cached prefix is usable only up to its
 deepest node holding the linear-attention state after it, which a hit copies into the sequence's state slot.
 One state is saved per prompt, at its *checkpoint*: the end of its last full page before its last token, the
 longest prefix a later request can match (the same prompt again, or a longer conversation built on it). The
@@ -22,29 +22,23 @@ from __future__ import annotations
 
 import sys
 
-from nebula_engine.kvcache.cache_store import CacheStore, CacheStoreConfig
+from nebula_engine.kvcache.cache_store import CacheStore
 from nebula_engine.kvcache.page_blob import LinearStateIO
 from nebula_engine.kvcache.pool import KVCacheError, KVCacheManager
 from nebula_engine.kvcache.radix_cache import EXACT, TreeNode
-from nebula_engine.kvcache.tiers import TierConfig
 
 ALL_EXACT = sys.maxsize  # exact limit of a sequence whose K/V is exact throughout
 
 
 class PrefixCachingKVCacheManager(KVCacheManager):
-    def __init__(self, num_pages: int, page_size: int, num_state_slots: int = 0,
-                 store_config: CacheStoreConfig = CacheStoreConfig(), tiers: TierConfig | None = None,
-                 enable_prefix_matching: bool = True):
-        super().__init__(num_pages, page_size, num_state_slots)
-        # False: only the PIC store is used
-        self.enable_prefix_matching = enable_prefix_matching
-        # hybrid models: linear-attention states to and from pool pages (attached with the storage); prefix
-        # matching needs it
-        self.state_io: LinearStateIO | None = None
+    def __init__(self, cache: CacheStore, num_state_slots: int = 0, state_io: LinearStateIO | None = None):
+        """Block tables over ``cache``'s pool. ``state_io``: a hybrid model's linear-attention states to and from
+        pool pages; prefix matching with state slots needs it."""
+        super().__init__(cache.pool, cache.page_size, num_state_slots)
+        self.cache = cache
+        self.state_io = state_io
         self._checkpoint: dict[str, int] = {}  # seq -> tokens after which its state is cached (hybrid models)
         self._restore: set[str] = set()  # seqs whose slot gets their matched node's state once they hold one
-        self.cache = CacheStore(self.pool, page_size, store_config, tiers)
-        self.pool.reclaimer = self.cache.evict
         self._locked: dict[str, TreeNode] = {}  # seq -> deepest cached node of its prefix (locked)
         self._num_cached_pages: dict[str, int] = {}  # leading pages of its block table in the tree
         self._provenance: dict[str, str] = {}  # seq -> approximate provenance it accepts and makes (absent: none)

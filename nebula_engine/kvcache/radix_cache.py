@@ -85,7 +85,11 @@ class MatchResult:
 
 class RadixCache:
     def __init__(self, pool: PagePool, page_size: int, events: EventLog, clock: Iterator[int],
-                 model_id: str = ""):
+                 model_id: str = "", demote: Callable[[TreeNode], bool] | None = None,
+                 discard_lower: Callable[[CacheKind, str], None] | None = None):
+        """``demote`` and ``discard_lower``: the lower tiers' hooks (``CacheStore`` passes them when it has tiers):
+        take an evicted node's page (True: it moved, the hook emitted the event) and drop a stale lower copy of a
+        key cached anew."""
         self.pool = pool
         self.page_size = page_size
         self.events = events
@@ -96,10 +100,8 @@ class RadixCache:
         self._heap: list[tuple[int, int, TreeNode]] = []  # candidate leaves, lazily invalidated
         self._tiebreak = itertools.count()
         self._num_nodes = 0
-        # lower-tier hooks (set by CacheStore when tiers exist): demote an evicted node's page
-        # (True: it moved, the hook emitted the event) and drop a stale lower copy of a new key
-        self.demote: Callable[[TreeNode], bool] | None = None
-        self.discard_lower: Callable[[CacheKind, str], None] | None = None
+        self.demote = demote
+        self.discard_lower = discard_lower
 
     @property
     def total_size(self) -> int:

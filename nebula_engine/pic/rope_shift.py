@@ -12,8 +12,6 @@ R = kv_lora_rank, Dr = MLA rope dims.
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import torch
 
 from nebula_engine.kernels.pic_dispatch import pic_op
@@ -31,30 +29,6 @@ def shift_keys(k: torch.Tensor, delta: Delta, rotary: RotaryEmbedding) -> torch.
     return apply_rotary(k, cos, sin, rotary.style)
 
 
-def shift_key_pages(k_cache: torch.Tensor, pages: Sequence[int] | torch.Tensor, num_tokens: int, delta: Delta,
-                    rotary: RotaryEmbedding) -> None:
-    """In place: the first ``num_tokens`` tokens held by ``pages`` (in order) of k_cache [P, S, Hkv, D].
-
-    Only those slots' leading rotary dims are written; other pages, the tail slots of the last page and
-    the pass-through dims of partial rotary keep their bytes.
-    """
-    page_ids, slots = _token_slots(pages, num_tokens, k_cache.shape[1], k_cache.device)
-    rotary_dim = 2 * rotary.inv_freq.numel()
-    shifted = shift_keys(k_cache[page_ids, slots, :, :rotary_dim], delta, rotary)  # [T, Hkv, r]
-    k_cache[page_ids, slots, :, :rotary_dim] = shifted
-
-
-def shift_latent_pages(latent_cache: torch.Tensor, pages: Sequence[int] | torch.Tensor, num_tokens: int,
-                       delta: Delta, rotary: RotaryEmbedding, rope_dim: int) -> None:
-    """In place, MLA latent layout latent_cache [P, S, R + Dr]: re-rotate only each token's k_pe (the last
-    Dr = ``rope_dim`` columns, interleaved pairs); the latent c̃ carries no position."""
-    if 2 * rotary.inv_freq.numel() != rope_dim:
-        raise ValueError(f"rotary rotates {2 * rotary.inv_freq.numel()} dims, k_pe has {rope_dim}")
-    page_ids, slots = _token_slots(pages, num_tokens, latent_cache.shape[1], latent_cache.device)
-    k_pe = latent_cache[page_ids, slots, -rope_dim:]  # [T, Dr]
-    latent_cache[page_ids, slots, -rope_dim:] = shift_keys(k_pe[:, None, :], delta, rotary)[:, 0]
-
-
 def _delta_positions(delta: Delta, num_tokens: int, device: torch.device) -> torch.Tensor:
     """The Δ per token as positions for ``cos_sin``: [1] (broadcast over tokens) or [T]."""
     if isinstance(delta, torch.Tensor):
@@ -62,16 +36,6 @@ def _delta_positions(delta: Delta, num_tokens: int, device: torch.device) -> tor
             raise ValueError(f"delta must be an int or an integer tensor of {num_tokens} shifts, got {delta!r}")
         return delta.reshape(-1).to(device)
     return torch.tensor([int(delta)], dtype=torch.int64, device=device)
-
-
-def _token_slots(pages: Sequence[int] | torch.Tensor, num_tokens: int, page_size: int,
-                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Page id and slot [T] of each of the first ``num_tokens`` tokens laid out across ``pages``."""
-    pages = torch.as_tensor(pages, dtype=torch.int64, device=device).reshape(-1)
-    if not 0 <= num_tokens <= pages.numel() * page_size:
-        raise ValueError(f"{num_tokens} tokens do not fit in {pages.numel()} pages of {page_size}")
-    token = torch.arange(num_tokens, device=device)
-    return pages[token // page_size], token % page_size
 
 
 def shift_cached_keys(cache: torch.Tensor, slots: torch.Tensor, delta: Delta, rotary: RotaryEmbedding,

@@ -14,7 +14,7 @@ from nebula_engine.kvcache.spec import full_attention_groups
 
 def test_slot_mapping_positions_and_logits_rows_follow_block_tables():
     storage = KVCacheStorage(full_attention_groups([(1, 4, 4)], torch.float32), num_pages=4, page_size=4, device="cpu")
-    runner = ModelRunner(None, storage, get_attention_backend("torch"), Sampler(0), "cpu")
+    runner = ModelRunner(None, storage, get_attention_backend("torch"), None, Sampler(0), "cpu")
     decoding = Sequence("a", [10, 11, 12, 13, 14, 15, 16], SamplingParams())
     chunked = Sequence("b", [20, 21, 22, 23, 24], SamplingParams())
     batch = (

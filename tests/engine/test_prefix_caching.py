@@ -120,11 +120,12 @@ def test_scheduler_evicts_cached_pages_before_preempting_and_never_caches_the_la
     from nebula_engine.config import SchedulerConfig
     from nebula_engine.engine.scheduler import Scheduler
     from nebula_engine.engine.sequence import Sequence
+    from nebula_engine.kvcache.cache_store import CacheStore
     from nebula_engine.kvcache.prefix_caching import PrefixCachingKVCacheManager
     from tests.engine.test_scheduler import fake_step
 
-    kv_cache = PrefixCachingKVCacheManager(num_pages=8, page_size=4)
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), kv_cache)
+    kv_cache = PrefixCachingKVCacheManager(CacheStore(num_pages=8, page_size=4))
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), kv_cache, kv_cache)
 
     def run(seq_id, tokens, max_tokens=1):
         seq = Sequence(seq_id, tokens, SamplingParams(max_tokens=max_tokens, temperature=0))
@@ -170,14 +171,15 @@ def test_disk_hit_waits_in_the_queue_while_others_run_instead_of_blocking_the_st
     from nebula_engine.config import SchedulerConfig
     from nebula_engine.engine.scheduler import Scheduler
     from nebula_engine.engine.sequence import Sequence
+    from nebula_engine.kvcache.cache_store import CacheStore
     from nebula_engine.kvcache.disk_tier import DiskTier
     from nebula_engine.kvcache.prefix_caching import PrefixCachingKVCacheManager
     from nebula_engine.kvcache.tiers import TierConfig
     from tests.engine.test_scheduler import fake_step
 
-    kv_cache = PrefixCachingKVCacheManager(8, 4, tiers=TierConfig(disk_capacity_tokens=64, disk_path=str(tmp_path)))
-    kv_cache.cache.page_io = RowsPageIO(8)
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), kv_cache)
+    tiers = TierConfig(disk_capacity_tokens=64, disk_path=str(tmp_path))
+    kv_cache = PrefixCachingKVCacheManager(CacheStore(8, 4, tiers=tiers, page_io=RowsPageIO(8)))
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), kv_cache, kv_cache)
 
     def request(seq_id, tokens, max_tokens):
         seq = Sequence(seq_id, tokens, SamplingParams(max_tokens=max_tokens, temperature=0))

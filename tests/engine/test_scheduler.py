@@ -6,14 +6,14 @@ from nebula_engine.config import SchedulerConfig
 from nebula_engine.engine.sampling_params import SamplingParams
 from nebula_engine.engine.scheduler import Scheduler
 from nebula_engine.engine.sequence import Sequence, SequenceStatus
-from nebula_engine.kvcache.pool import KVCacheManager
+from nebula_engine.kvcache.pool import KVCacheManager, PagePool
 from nebula_engine.pic.backends import get_pic_backend
 from nebula_engine.pic.segments import segment_token_lists
 
 
 def make_scheduler(num_pages=64, page_size=4, max_num_batched_tokens=32, max_num_seqs=8):
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
-    return Scheduler(config, KVCacheManager(num_pages, page_size))
+    return Scheduler(config, KVCacheManager(PagePool(num_pages), page_size))
 
 
 def seq(seq_id, prompt_len, max_tokens=4):

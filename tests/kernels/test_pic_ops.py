@@ -14,7 +14,7 @@ from nebula_engine.kernels.pic_ops import (gated_delta_transition, kv_deviation,
                                            scattered_paged_attention, select_top_tokens)
 from nebula_engine.model.config import RopeConfig
 from nebula_engine.model.rotary import RotaryEmbedding
-from nebula_engine.pic.rope_shift import shift_key_pages, shift_latent_pages
+from nebula_engine.pic.rope_shift import shift_keys
 
 PAGE_SIZE = 4
 
@@ -27,17 +27,27 @@ def flat_slots(pages: list[int], num_tokens: int) -> torch.Tensor:
     return torch.tensor([pages[i // PAGE_SIZE] * PAGE_SIZE + i % PAGE_SIZE for i in range(num_tokens)])
 
 
+def shift_columns(cache: torch.Tensor, pages: list[int], num_tokens: int, delta, rotary: RotaryEmbedding,
+                  columns: slice) -> None:
+    """The reference: ``shift_keys`` over the ``columns`` of the first ``num_tokens`` slots of ``pages``, in place."""
+    slots = flat_slots(pages, num_tokens)
+    page_ids, offsets = slots // PAGE_SIZE, slots % PAGE_SIZE
+    rows = cache[page_ids, offsets][..., columns]
+    shifted = shift_keys(rows if rows.dim() == 3 else rows[:, None, :], delta, rotary)
+    cache[page_ids, offsets, ..., columns] = shifted if rows.dim() == 3 else shifted[:, 0]
+
+
 # ---- rotate_cached_keys ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("style,rotary_dim,head_dim", [("neox", 16, 16), ("neox", 8, 32), ("interleaved", 16, 16)])
 @pytest.mark.parametrize("delta", [37, torch.arange(10) * 3 - 7])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotate_matches_shift_key_pages(style, rotary_dim, head_dim, delta, dtype):
+def test_rotate_matches_shift_keys(style, rotary_dim, head_dim, delta, dtype):
     rotary = RotaryEmbedding(RopeConfig(theta=10000.0, rotary_dim=rotary_dim, style=style))
     cache = randn(7, PAGE_SIZE, 3, head_dim, seed=1, dtype=dtype)
     pages, num_tokens = [5, 2, 6], 10  # the last page only half full: its tail must keep its bytes
     expected = cache.clone()
-    shift_key_pages(expected, pages, num_tokens, delta, rotary)
+    shift_columns(expected, pages, num_tokens, delta, rotary, slice(0, rotary_dim))
 
     positions = delta.reshape(-1) if isinstance(delta, torch.Tensor) else torch.tensor([delta])
     cos, sin = rotary.cos_sin(positions, scaled=False)
@@ -47,13 +57,13 @@ def test_rotate_matches_shift_key_pages(style, rotary_dim, head_dim, delta, dtyp
 
 
 @pytest.mark.parametrize("delta", [-3, torch.tensor([4, 0, 9, 1, 2, 100])])
-def test_rotate_latent_rows_matches_shift_latent_pages(delta):
+def test_rotate_latent_rows_matches_shift_keys(delta):
     rank, rope_dim = 12, 8
     rotary = RotaryEmbedding(RopeConfig(theta=10000.0, rotary_dim=rope_dim, style="interleaved"))
     cache = randn(5, PAGE_SIZE, rank + rope_dim, seed=2)
     pages, num_tokens = [3, 0], 6
     expected = cache.clone()
-    shift_latent_pages(expected, pages, num_tokens, delta, rotary, rope_dim)
+    shift_columns(expected, pages, num_tokens, delta, rotary, slice(rank, rank + rope_dim))
 
     positions = delta if isinstance(delta, torch.Tensor) else torch.tensor([delta])
     cos, sin = rotary.cos_sin(positions, scaled=False)

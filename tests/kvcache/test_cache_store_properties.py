@@ -21,7 +21,7 @@ from nebula_engine.kvcache.cache_store import CacheStore, CacheStoreConfig
 from nebula_engine.kvcache.events import CacheIndex, CacheKind, EvictEvent, Tier
 from nebula_engine.kvcache.eviction import CacheState
 from nebula_engine.kvcache.pic_store import segment_key
-from nebula_engine.kvcache.pool import OutOfPagesError, PagePool
+from nebula_engine.kvcache.pool import OutOfPagesError
 from nebula_engine.kvcache.tiers import TierConfig
 
 PAGE_SIZE = 2
@@ -67,14 +67,13 @@ class CacheStoreMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.pool = PagePool(NUM_PAGES)
         self.io = FakePageIO()
         self.disk_dir = tempfile.mkdtemp(prefix="nebula-disk-")
         tiers = self.tiers and TierConfig(**{**self.tiers, "disk_path": self.disk_dir})
-        self.store = CacheStore(self.pool, PAGE_SIZE, CacheStoreConfig(worker_id=3, eviction_policy=self.policy_name),
+        self.store = CacheStore(NUM_PAGES, PAGE_SIZE, CacheStoreConfig(worker_id=3, eviction_policy=self.policy_name),
                                 tiers, self.io)
+        self.pool = self.store.pool
         self.segment_tokens = {}
-        self.pool.reclaimer = self.store.evict
         self.decisions: list[CacheKind] = []
         self._spy_on_policy()
         self.held_pc = []  # (locked node, pages this "request" holds a reference to)

@@ -7,7 +7,7 @@ from nebula_engine.kvcache.cache_store import CacheStore
 from nebula_engine.kvcache.disk_tier import DiskTier
 from nebula_engine.kvcache.events import CacheIndex, CacheKind, EvictEvent, Tier
 from nebula_engine.kvcache.page_io import StoragePageIO
-from nebula_engine.kvcache.pool import KVCacheStorage, PagePool
+from nebula_engine.kvcache.pool import KVCacheStorage
 from nebula_engine.kvcache.spec import FullAttentionSpec, KVCacheGroupSpec
 from nebula_engine.kvcache.tiers import TierConfig
 
@@ -16,10 +16,7 @@ PAGE_SIZE = 4
 
 def store_with_storage(tiers: TierConfig | None, num_pages: int = 8) -> tuple[CacheStore, KVCacheStorage]:
     storage = KVCacheStorage([KVCacheGroupSpec((0,), FullAttentionSpec(1, 2, 2))], num_pages, PAGE_SIZE, "cpu")
-    pool = PagePool(num_pages)
-    store = CacheStore(pool, PAGE_SIZE, tiers=tiers, page_io=StoragePageIO(storage))
-    pool.reclaimer = store.evict
-    return store, storage
+    return CacheStore(num_pages, PAGE_SIZE, tiers=tiers, page_io=StoragePageIO(storage)), storage
 
 
 def add_segment(store: CacheStore, storage: KVCacheStorage, key: str, num_tokens: int, value: float, locked=False):

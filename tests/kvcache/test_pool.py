@@ -3,8 +3,8 @@ import random
 import pytest
 import torch
 
-from nebula_engine.kvcache.pool import (KVCacheError, KVCacheManager, KVCacheStorage, OutOfPagesError, PageCopy,
-                                        PagePool, num_pages_for_budget)
+from nebula_engine.kvcache.pool import (KVCacheError, KVCacheManager, KVCacheStorage, OutOfPagesError, PagePool,
+                                        num_pages_for_budget)
 from nebula_engine.kvcache.spec import FullAttentionSpec, KVCacheGroupSpec, bytes_per_page, full_attention_groups
 
 
@@ -46,7 +46,7 @@ def test_shared_page_returns_to_free_list_after_last_release():
 
 
 def test_block_table_grows_page_by_page():
-    kv = KVCacheManager(num_pages=8, page_size=4)
+    kv = KVCacheManager(PagePool(8), page_size=4)
     assert kv.allocate_slots("a", 5) == [0, 1]
     assert kv.allocate_slots("a", 8) == []
     assert kv.allocate_slots("a", 9) == [2]
@@ -59,24 +59,11 @@ def test_block_table_grows_page_by_page():
 
 
 def test_out_of_pages_leaves_block_table_unchanged():
-    kv = KVCacheManager(num_pages=2, page_size=4)
+    kv = KVCacheManager(PagePool(2), page_size=4)
     kv.allocate_slots("a", 4)
     with pytest.raises(OutOfPagesError):
         kv.allocate_slots("a", 12)
     assert kv.block_tables["a"] == [0] and kv.num_free_pages == 1
-
-
-def test_fork_shares_full_pages_and_copies_the_partial_tail():
-    kv = KVCacheManager(num_pages=8, page_size=4)
-    kv.allocate_slots("parent", 10)  # pages 0, 1 full; page 2 holds 2 tokens
-    copies = kv.fork("parent", "child", 10)
-    assert kv.block_tables["child"] == [0, 1, 3]
-    assert copies == [PageCopy(src=2, dst=3)]
-    assert kv.pool.ref_cnt[:4] == [2, 2, 1, 1]
-    kv.free("parent")
-    assert kv.pool.ref_cnt[:4] == [1, 1, 0, 1]
-    assert kv.fork("child", "grandchild", 8) == []
-    assert kv.block_tables["grandchild"] == [0, 1]
 
 
 def _check_invariants(kv: KVCacheManager) -> None:
@@ -92,9 +79,9 @@ def _check_invariants(kv: KVCacheManager) -> None:
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_random_alloc_free_fork_keeps_accounting_exact(seed):
+def test_random_alloc_free_keeps_accounting_exact(seed):
     rng = random.Random(seed)
-    kv = KVCacheManager(num_pages=32, page_size=4)
+    kv = KVCacheManager(PagePool(32), page_size=4)
     lengths: dict[str, int] = {}
     for step in range(400):
         op = rng.random()
@@ -106,17 +93,10 @@ def test_random_alloc_free_fork_keeps_accounting_exact(seed):
                 lengths[seq] = target
             except OutOfPagesError:
                 pass
-        elif op < 0.8 and lengths:
+        elif lengths:
             seq = rng.choice(list(lengths))
             kv.free(seq)
             del lengths[seq]
-        elif lengths:
-            parent = rng.choice(list(lengths))
-            try:
-                kv.fork(parent, f"f{step}", lengths[parent])
-                lengths[f"f{step}"] = lengths[parent]
-            except OutOfPagesError:
-                pass
         _check_invariants(kv)
     for seq in list(lengths):
         kv.free(seq)
@@ -133,20 +113,16 @@ def test_groups_split_layers_by_shape_and_size_the_pool_from_a_budget():
         num_pages_for_budget(groups, 4, 100)
 
 
-def test_storage_allocates_per_layer_tensors_and_copies_pages():
+def test_storage_allocates_per_layer_tensors():
     groups = [KVCacheGroupSpec((0, 1), FullAttentionSpec(2, 8, 4))]
     storage = KVCacheStorage(groups, num_pages=3, page_size=4, device="cpu")
     k, v = storage.layer_caches[1]
     assert k.shape == (3, 4, 2, 8) and v.shape == (3, 4, 2, 4)
-    k[0].fill_(7.0)
-    v[0].fill_(3.0)
-    storage.copy_pages([PageCopy(0, 2)])
-    assert torch.equal(k[2], k[0]) and torch.equal(v[2], v[0])
 
 
 def test_freed_pages_come_back_as_consecutive_runs():
     """Attention reads consecutive pages in place, so freeing must not scramble the free list."""
-    kv = KVCacheManager(num_pages=8, page_size=4)
+    kv = KVCacheManager(PagePool(8), page_size=4)
     kv.allocate_slots("a", 16)
     kv.allocate_slots("b", 16)
     kv.free("b")

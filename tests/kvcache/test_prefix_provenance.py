@@ -3,6 +3,7 @@ one another (radix_cache's keys and hashes, the manager's exact limit)."""
 
 import pytest
 
+from nebula_engine.kvcache.cache_store import CacheStore
 from nebula_engine.kvcache.pool import KVCacheError
 from nebula_engine.kvcache.prefix_caching import PrefixCachingKVCacheManager
 from nebula_engine.kvcache.radix_cache import EXACT, block_hash
@@ -68,7 +69,7 @@ def test_exact_pages_cannot_continue_approximate_ones():
 
 
 def test_manager_caches_exact_pages_before_the_limit_and_drops_approximate_ones_without_provenance():
-    manager = PrefixCachingKVCacheManager(num_pages=32, page_size=PAGE)
+    manager = PrefixCachingKVCacheManager(CacheStore(num_pages=32, page_size=PAGE))
     tokens = list(range(20))
     manager.match_prefix("a", tokens)
     manager.allocate_slots("a", len(tokens))

@@ -5,15 +5,13 @@ import pytest
 from nebula_engine.kvcache.cache_store import CacheStore, CacheStoreConfig
 from nebula_engine.kvcache.events import CacheIndex, CacheKind, EvictEvent, StoreEvent, Tier
 from nebula_engine.kvcache.pic_store import segment_key
-from nebula_engine.kvcache.pool import KVCacheError, PagePool
+from nebula_engine.kvcache.pool import KVCacheError
 from nebula_engine.kvcache.radix_cache import block_hash, root_hash
 
 
 def make_store(num_pages=8, page_size=4, **config):
-    pool = PagePool(num_pages)
-    store = CacheStore(pool, page_size, CacheStoreConfig(**config))
-    pool.reclaimer = store.evict
-    return pool, store
+    store = CacheStore(num_pages, page_size, CacheStoreConfig(**config))
+    return store.pool, store
 
 
 def cache(store, pool, tokens):

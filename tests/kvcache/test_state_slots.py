@@ -9,8 +9,8 @@ from nebula_engine.config import SchedulerConfig
 from nebula_engine.engine.sampling_params import SamplingParams
 from nebula_engine.engine.scheduler import Scheduler
 from nebula_engine.engine.sequence import Sequence
-from nebula_engine.kvcache.pool import (KVCacheError, KVCacheManager, KVCacheStorage, OutOfPagesError,
-                                        OutOfStateSlotsError, num_pages_for_budget)
+from nebula_engine.kvcache.pool import (KVCacheManager, KVCacheStorage, OutOfPagesError,
+                                        OutOfStateSlotsError, PagePool, num_pages_for_budget)
 from nebula_engine.kvcache.spec import (FullAttentionSpec, KVCacheGroupSpec, LinearStateSpec, MLALatentSpec,
                                         bytes_per_page, bytes_per_state_slot)
 
@@ -20,7 +20,7 @@ HYBRID = [KVCacheGroupSpec((0,), FullAttentionSpec(2, 8, 8)), KVCacheGroupSpec((
 
 
 def test_slot_is_taken_with_the_first_pages_and_kept_while_growing():
-    kv = KVCacheManager(num_pages=8, page_size=4, num_state_slots=2)
+    kv = KVCacheManager(PagePool(8), page_size=4, num_state_slots=2)
     kv.allocate_slots("a", 3)
     kv.allocate_slots("b", 1)
     assert (kv.state_slot("a"), kv.state_slot("b")) == (0, 1)
@@ -33,7 +33,7 @@ def test_slot_is_taken_with_the_first_pages_and_kept_while_growing():
 
 
 def test_out_of_slots_refuses_admission_and_changes_nothing():
-    kv = KVCacheManager(num_pages=8, page_size=4, num_state_slots=1)
+    kv = KVCacheManager(PagePool(8), page_size=4, num_state_slots=1)
     kv.allocate_slots("a", 4)
     assert not kv.can_allocate("b", 1) and kv.can_allocate("a", 8)
     with pytest.raises(OutOfStateSlotsError, match="all 1 linear-attention state slots are in use"):
@@ -42,24 +42,20 @@ def test_out_of_slots_refuses_admission_and_changes_nothing():
 
 
 def test_out_of_pages_takes_no_slot():
-    kv = KVCacheManager(num_pages=2, page_size=4, num_state_slots=2)
+    kv = KVCacheManager(PagePool(2), page_size=4, num_state_slots=2)
     with pytest.raises(OutOfPagesError):
         kv.allocate_slots("a", 9)
     assert kv.state_slots.num_free == 2 and not kv.state_slots.slot_of
 
 
-def test_models_without_linear_layers_have_no_slots_and_fork_refuses_state():
-    assert KVCacheManager(num_pages=4, page_size=4).state_slot("any") is None
-    kv = KVCacheManager(num_pages=4, page_size=4, num_state_slots=2)
-    kv.allocate_slots("a", 5)
-    with pytest.raises(KVCacheError, match="state slot cannot be shared"):
-        kv.fork("a", "b", 5)
+def test_models_without_linear_layers_have_no_slots():
+    assert KVCacheManager(PagePool(4), page_size=4).state_slot("any") is None
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_random_alloc_free_never_leaks_or_shares_slots(seed):
     rng = random.Random(seed)
-    kv = KVCacheManager(num_pages=24, page_size=4, num_state_slots=3)
+    kv = KVCacheManager(PagePool(24), page_size=4, num_state_slots=3)
     lengths: dict[str, int] = {}
     for step in range(300):
         if rng.random() < 0.6:
@@ -88,7 +84,7 @@ def _seq(seq_id, prompt_len):
 
 def test_scheduler_admits_by_free_slots_and_preemption_returns_them():
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
-                          KVCacheManager(num_pages=4, page_size=4, num_state_slots=2))
+                          KVCacheManager(PagePool(4), page_size=4, num_state_slots=2))
     for name, length in (("a", 5), ("b", 3), ("c", 2)):
         scheduler.add(_seq(name, length))
     out = scheduler.schedule()  # pages suffice for all three; slots only for two

@@ -10,7 +10,7 @@ from nebula_engine.kvcache.events import CacheIndex, Tier
 from nebula_engine.kvcache.page_blob import (LinearStateIO, PageBlobIO, TensorLayout, TensorRef, pack_tensors,
                                              unpack_tensors)
 from nebula_engine.kvcache.page_io import StoragePageIO
-from nebula_engine.kvcache.pool import KVCacheError, KVCacheStorage, PagePool
+from nebula_engine.kvcache.pool import KVCacheError, KVCacheStorage
 from nebula_engine.kvcache.spec import FullAttentionSpec, KVCacheGroupSpec, LinearStateSpec, bytes_per_page
 from nebula_engine.kvcache.tiers import TierConfig
 
@@ -24,11 +24,9 @@ GROUPS = [KVCacheGroupSpec((0,), FullAttentionSpec(1, 2, 2)),
 
 def make(num_pages=16, tiers=None):
     storage = KVCacheStorage(GROUPS, num_pages, PAGE_SIZE, "cpu", num_state_slots=2)
-    pool = PagePool(num_pages)
-    store = CacheStore(pool, PAGE_SIZE, tiers=tiers, page_io=StoragePageIO(storage))
-    store.blob_io = PageBlobIO(storage)
-    pool.reclaimer = store.evict
-    return storage, pool, store
+    store = CacheStore(num_pages, PAGE_SIZE, tiers=tiers, page_io=StoragePageIO(storage),
+                       blob_io=PageBlobIO(storage))
+    return storage, store.pool, store
 
 
 def random_tensors(seed):
@@ -94,7 +92,7 @@ def test_a_node_state_counts_in_sizes_and_is_released_with_its_node():
     written = []
     node = cache_prefix(store, pool, list(range(8)), state_of=written.append)
     assert len(written) == 1 and node.state_pages == tuple(written[0]) and len(node.state_pages) == 3
-    assert pool.num_used_pages == 2 + 3
+    assert pool.num_pages - pool.num_free_pages == 2 + 3
     assert store.radix.total_size == (2 + 3) * PAGE_SIZE == store.num_evictable_pages * PAGE_SIZE
     assert not store.save_node_state(node, written.append, 3)  # a node keeps its first state
     deeper = store.radix.match_prefix(list(range(8))).last_node
@@ -162,7 +160,7 @@ def test_a_pic_segment_state_lives_in_pages_counted_evicted_and_tiered():
     pages = pool.allocate(2)
     entry = store.insert_segment("seg", 6, pages, state)
     pool.release(pages)
-    assert len(entry.state_pages) == 4 and pool.num_used_pages == 2 + 4
+    assert len(entry.state_pages) == 4 and pool.num_pages - pool.num_free_pages == 2 + 4
     assert not any(isinstance(v, torch.Tensor) for layer in entry.stored_state["linear"] for v in layer.values())
     assert_same_state(entry.state, state)
     assert store.pic.total_size == 6 + 4 * PAGE_SIZE
@@ -172,7 +170,7 @@ def test_a_pic_segment_state_lives_in_pages_counted_evicted_and_tiered():
     assert store.evict(16) == 6 and pool.num_free_pages == 16
     assert store.tiers.host.used_tokens == 6 + 4 * PAGE_SIZE
     back = store.lookup_segment("seg", 6)
-    assert back is not None and len(back.state_pages) == 4 and pool.num_used_pages == 6
+    assert back is not None and len(back.state_pages) == 4 and pool.num_pages - pool.num_free_pages == 6
     assert_same_state(back.state, state)
     store.pic.unlock(back)
     store.check_integrity()

@@ -7,7 +7,7 @@ import torch
 
 from nebula_engine.model.config import RopeConfig, RopeScaling
 from nebula_engine.model.rotary import RotaryEmbedding
-from nebula_engine.pic.rope_shift import shift_key_pages, shift_keys, shift_latent_pages
+from nebula_engine.pic.rope_shift import shift_cached_keys, shift_keys
 from tests.model_cases import CASES_BY_NAME, build_checkpoint
 
 # angles near 300 rad lose ~2e-5 to fp32 rounding whichever way they are formed; values are O(1)
@@ -64,8 +64,12 @@ def _slot_positions(page_size: int, pages: list[int], num_tokens: int) -> list[t
     return [(pages[t // page_size], t % page_size) for t in range(num_tokens)]
 
 
+def _flat_slots(page_size: int, slots: list[tuple[int, int]]) -> torch.Tensor:
+    return torch.tensor([page * page_size + slot for page, slot in slots])
+
+
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, ATOL), (torch.bfloat16, 5e-2)])
-def test_shift_key_pages_touches_only_named_slots_and_rotary_dims(dtype, atol):
+def test_shift_cached_keys_touches_only_named_slots_and_rotary_dims(dtype, atol):
     rope = RopeConfig(theta=10000.0, rotary_dim=4)  # D/4: partial rotary
     rotary = RotaryEmbedding(rope)
     page_size, num_tokens, pages, delta = 4, 10, [4, 1, 3], 23  # page 3 holds tokens 8, 9 in slots 0, 1
@@ -77,7 +81,7 @@ def test_shift_key_pages_touches_only_named_slots_and_rotary_dims(dtype, atol):
         k_cache[page, slot] = rotary(positions, raw_keys)[token].to(dtype)
     before = k_cache.clone()
 
-    shift_key_pages(k_cache, pages, num_tokens, delta, rotary)
+    shift_cached_keys(k_cache, _flat_slots(page_size, slots), delta, rotary)
 
     expected = rotary(positions + delta, raw_keys)
     for token, (page, slot) in enumerate(slots):
@@ -88,7 +92,7 @@ def test_shift_key_pages_touches_only_named_slots_and_rotary_dims(dtype, atol):
     assert torch.equal(k_cache[untouched], before[untouched])
 
 
-def test_shift_latent_pages_touches_only_k_pe():
+def test_shift_cached_latent_keys_touches_only_k_pe():
     rank, rope_dim, page_size, num_tokens, pages, delta = 8, 16, 4, 6, [2, 0], -3
     rotary = RotaryEmbedding(ROPES["interleaved_deepseek_yarn"][0])
     k_pe = randn(num_tokens, rope_dim, seed=4)
@@ -100,7 +104,7 @@ def test_shift_latent_pages_touches_only_k_pe():
         latent_cache[page, slot, rank:] = rotated[token]
     before = latent_cache.clone()
 
-    shift_latent_pages(latent_cache, pages, num_tokens, delta, rotary, rope_dim)
+    shift_cached_keys(latent_cache, _flat_slots(page_size, slots), delta, rotary, latent_rope_dim=rope_dim)
 
     expected = rotary(positions + delta, k_pe[:, None, :])[:, 0]
     for token, (page, slot) in enumerate(slots):
@@ -110,9 +114,7 @@ def test_shift_latent_pages_touches_only_k_pe():
         untouched[page, slot, rank:] = False
     assert torch.equal(latent_cache[untouched], before[untouched])
     with pytest.raises(ValueError):
-        shift_latent_pages(latent_cache, pages, num_tokens, delta, rotary, rope_dim=8)
-    with pytest.raises(ValueError):
-        shift_latent_pages(latent_cache, pages, 9, delta, rotary, rope_dim)  # 9 tokens > 2 pages of 4
+        shift_cached_keys(latent_cache, _flat_slots(page_size, slots), delta, rotary, latent_rope_dim=8)
 
 
 @pytest.mark.parametrize("case", ["qwen3_gqa2_hd20", "qwen3_yarn", "llama3_rope_scaling_tied"])
