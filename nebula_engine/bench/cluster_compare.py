@@ -27,8 +27,8 @@ from nebula_engine.cluster.runtime.launcher import LocalCluster, local_spec
 from nebula_engine.cluster.runtime.spec import PeerSettings
 from nebula_engine.workloads.analysis import reuse_stats
 from nebula_engine.workloads.registry import load_workload
+from nebula_engine.cluster.control.policy_names import POLICY_NAMES
 
-POLICIES = ("pc", "local-pic", "nebula")
 # the random 4-layer Qwen3: smollm2 (real weights) on 4 one-thread peers, measured alone on this 2-core machine,
 # saturated at 0.5 req/s (TTFT p50 8.3 s), took 18 min for the three policies and its nebula peers grew to 24 GB
 # together (README "Measured", cluster policies); make run must end in 6 minutes
@@ -116,7 +116,7 @@ def compare(model: str, options: CompareOptions, out_dir: Path, data_dir: Path |
     requests = load_workload(options.trace, data_dir=data_dir, limit=options.num_requests,
                              seed=options.seed)[:options.num_requests]
     bound = slice_bound(requests, options.max_prompt_tokens)
-    rows = [run_policy(model, policy, requests, options, out_dir / "logs") for policy in POLICIES]
+    rows = [run_policy(model, policy, requests, options, out_dir / "logs") for policy in POLICY_NAMES]
     out_dir.mkdir(parents=True, exist_ok=True)
     document = {"model": model, "options": {**asdict(options), "kv_tokens_per_peer": options.kv_tokens_per_peer},
                 **bound, "rows": [_json_safe(row) for row in rows]}

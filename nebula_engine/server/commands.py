@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from nebula_engine.cli_types import DEVICE
+from nebula_engine.cluster.control.policy_names import POLICY_NAMES
 from nebula_engine.server.limits import DEFAULT_MAX_REQUEST_BYTES
 from nebula_engine.server.tool_parsers import TOOL_PARSERS
 
@@ -42,7 +43,7 @@ from nebula_engine.server.tool_parsers import TOOL_PARSERS
               help="Start a local cluster of this many prefill peers (HTTP on --port, --port+1, ...).")
 @click.option("--decode-workers", type=click.IntRange(min=0), default=1, show_default=True,
               help="Decode peers of the local cluster (0: prefill peers also decode).")
-@click.option("--policy", type=click.Choice(["pc", "local-pic", "nebula"]), default="nebula", show_default=True,
+@click.option("--policy", type=click.Choice(POLICY_NAMES), default="nebula", show_default=True,
               help="Cluster routing policy.")
 @click.option("--cluster", "cluster_file", type=click.Path(dir_okay=False, exists=True, path_type=Path),
               help="Run ONE peer of the cluster described by this spec JSON (needs --name).")

@@ -171,3 +171,10 @@ def test_pinned_home_reads_the_cheapest_copy_worth_reading():
 def test_baselines_default_to_plain_lru_nebula_to_self_tuning():
     assert default_cache("pc") == default_cache("local-pic") == "unified-lru"
     assert default_cache("nebula") == "self-tuning"
+
+
+def test_the_light_list_of_policy_names_names_exactly_the_policies_in_comparison_order():
+    from nebula_engine.cluster.control.policies import POLICIES
+    from nebula_engine.cluster.control.policy_names import POLICY_NAMES
+
+    assert tuple(POLICIES) == POLICY_NAMES

@@ -7,8 +7,3 @@ holds the frozen configs and the shipped GPU profiles; ``request_keys`` names a 
 Everything here is deterministic, in-memory logic: it imports nothing from the runtime, the simulator,
 the engine or ``workloads``.
 """
-
-from nebula_engine.cluster.control.config import ClusterConfig, ClusterProfile, ViewConfig
-from nebula_engine.cluster.control.control_plane import ControlPlane, Decision
-
-__all__ = ["ClusterConfig", "ClusterProfile", "ControlPlane", "Decision", "ViewConfig"]

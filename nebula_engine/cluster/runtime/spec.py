@@ -15,7 +15,7 @@ import logging
 import socket
 from dataclasses import asdict, dataclass, field
 
-from nebula_engine.cluster.control.policies import POLICIES
+from nebula_engine.cluster.control.policy_names import POLICY_NAMES
 from nebula_engine.cluster.runtime.auth import SECRET_ENV, SecretError
 from nebula_engine.cluster.runtime.election import EtcdAccess
 from nebula_engine.cluster.runtime.liveness import DEFAULT_DEAD_AFTER_S, DEFAULT_FAILOVER_TIMEOUT_S
@@ -63,8 +63,8 @@ class ClusterSpec:
     def __post_init__(self) -> None:
         if not self.remote_read_latency_s >= 0:
             raise ValueError(f"remote_read_latency_s must be >= 0, got {self.remote_read_latency_s}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"unknown cluster policy {self.policy!r}; choose from {tuple(POLICIES)}")
+        if self.policy not in POLICY_NAMES:
+            raise ValueError(f"unknown cluster policy {self.policy!r}; choose from {POLICY_NAMES}")
         if not any(p.role == "prefill" for p in self.peers):
             raise ValueError("a cluster needs at least one prefill peer")
         if len({p.name for p in self.peers}) != len(self.peers):

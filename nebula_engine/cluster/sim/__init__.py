@@ -4,7 +4,3 @@
 ``hardware`` its processors and links, ``report`` the latency and hit-rate summary; ``loads`` expresses
 arrival rates against a simulated cluster's capacity; ``commands`` is the ``nebula simulate`` CLI.
 """
-
-from nebula_engine.cluster.sim.simulator import SimulationConfig, simulate
-
-__all__ = ["SimulationConfig", "simulate"]
