@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 from nebula_engine.engine.outputs import CompletionOutput, RequestOutput
 from nebula_engine.server.logprobs import TokenText, chat_logprobs, completion_logprobs, prompt_logprobs
