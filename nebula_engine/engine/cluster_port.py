@@ -6,7 +6,8 @@ what the cache holds. Each one that touches engine state runs on the engine's ow
 (``AsyncLLMEngine.call``), between two steps, so it never races the engine loop; each is async.
 
 Only constants set in ``LLMEngine.__init__`` are read directly, from any thread: the page geometry, the KV
-tensors NIXL registers, and segment keys (a pure function of the model, the backend and the token ids). Requests themselves are streamed through the async engine unchanged.
+tensors NIXL registers, and segment keys (a pure function of the model, the backend and the token ids).
+Requests themselves are streamed through the async engine unchanged.
 
 Pins come back as handles (``SegmentPin``, ``PrefixPin``): the pinned pages stay put until the handle is given
 to ``unpin_segment`` / ``unpin_prefix``; the caller keeps track of which reader holds which handle.

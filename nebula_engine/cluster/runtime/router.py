@@ -123,7 +123,8 @@ class RouterService:
                 compute_here.append(pic_index)
             if segment.action in (Action.COMPUTE, Action.REUSE) and segment.worker != plan.combine_home:
                 sources.append(wire.SourceSpec(pic_index, segment.key, holder, segment.key in computed))
-        decode = "" if not self._live_decode_peers() else self._live_decode_peers()[0]
+        live_decode_peers = self._live_decode_peers()
+        decode = live_decode_peers[0] if live_decode_peers else ""
         remote_prefix = plan.prefix is not None and plan.prefix.worker != plan.combine_home
         flight.tasks.update([plan.combine_task_id, *local_tasks])
         self.in_flight[msg.request_id] = flight
