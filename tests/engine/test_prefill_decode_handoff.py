@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from nebula_engine import LLM, SamplingParams
+from nebula_engine.pic.segments import SegmentedPrompt, segment_token_lists
 from tests.model_cases import CASES_BY_NAME
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -45,15 +46,22 @@ def copy_pages(source, source_pages: list[int], target, target_pages: list[int])
             target_tensor[target_pages] = source_tensor[source_pages]
 
 
-def hand_off(prefill, decode, request_id: str, prompt: list[int]):
+def hand_off(prefill, decode, request_id: str, prompt: list[int] | SegmentedPrompt):
     first = prefill_and_hold(prefill, request_id, prompt)
-    pages = decode.reserve_prefilled(request_id, len(prompt))
+    token_ids = list(prompt.token_ids if isinstance(prompt, SegmentedPrompt) else prompt)
+    pages = decode.reserve_prefilled(request_id, len(token_ids))
     copy_pages(prefill, prefill.held_block_table(request_id), decode, pages)
     state = prefill.held_linear_state(request_id)
     prefill.release_held(request_id)
-    decode.add_prefilled(request_id, prompt, first.token_ids[0], first.token_logprobs[0], GREEDY,
+    decode.add_prefilled(request_id, token_ids, first.token_ids[0], first.token_logprobs[0], GREEDY,
                          linear_state=state)
     return run(decode, request_id).outputs[0]
+
+
+def assert_same_decode(handed, alone) -> None:
+    assert handed.token_ids == alone.token_ids
+    torch.testing.assert_close(torch.tensor(handed.token_logprobs), torch.tensor(alone.token_logprobs),
+                               atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("length", [37, 150])  # one prefill step; chunked, past a prefix-cache checkpoint
@@ -62,10 +70,20 @@ def test_handed_off_decode_equals_single_engine_decode(engines, length):
     prompt = random_tokens(length, seed=length)
     decode.add_request(f"alone-{length}", prompt, GREEDY)  # on the decode engine: the prefill one starts cold
     alone = run(decode, f"alone-{length}").outputs[0]
-    handed = hand_off(prefill, decode, f"handed-{length}", prompt)
-    assert handed.token_ids == alone.token_ids
-    torch.testing.assert_close(torch.tensor(handed.token_logprobs), torch.tensor(alone.token_logprobs),
-                               atol=1e-4, rtol=1e-4)
+    assert_same_decode(hand_off(prefill, decode, f"handed-{length}", prompt), alone)
+
+
+def test_a_handed_off_pic_combine_decodes_as_on_one_engine(engines):
+    """The engines' default PIC backend: HYPIC for the hybrid (its combine writes the state the hand-off carries),
+    EPIC otherwise; both engines start without the segments cached."""
+    prefill, decode = engines
+    prompt = segment_token_lists([("regular", random_tokens(4, seed=30)), ("pic", random_tokens(24, seed=31)),
+                                  ("pic", random_tokens(24, seed=32)), ("regular", random_tokens(8, seed=33))])
+    decode.add_request("pic-alone", prompt, GREEDY)
+    alone = run(decode, "pic-alone").outputs[0]
+    combines = prefill.model_runner.pic_executor.stats.combines
+    assert_same_decode(hand_off(prefill, decode, "pic-handed", prompt), alone)
+    assert prefill.model_runner.pic_executor.stats.combines == combines + 1
 
 
 def test_the_state_is_held_with_the_pages_and_freed_with_them(engines):
