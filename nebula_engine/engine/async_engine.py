@@ -25,7 +25,9 @@ import logging
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Mapping
+
+import torch
 
 from nebula_engine.config import EngineConfig
 from nebula_engine.engine.admission import ENGINE_DEFAULT, AdmittedRequest, EnginePrompt, admit
@@ -177,9 +179,11 @@ class AsyncLLMEngine:
 
     async def generate_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token: int,
                                  first_logprob: float, params: SamplingParams, cached: tuple[int, ...],
+                                 linear_state: Mapping[str, list[torch.Tensor]] | None = None,
                                  ) -> AsyncIterator[RequestOutput]:
-        """Stream a request prefilled by another engine (``LLMEngine.add_prefilled``; its pages were reserved with
-        ``reserve_prefilled`` and written). The first item is the output after its first token."""
+        """Stream a request prefilled by another engine (``LLMEngine.add_prefilled``, with the linear-attention
+        state after its prompt for hybrid models; its pages were reserved with ``reserve_prefilled`` and written).
+        The first item is the output after its first token."""
         channel = _OutputChannel(asyncio.get_running_loop())
         with self._wakeup:
             if request_id in self._channels:
@@ -188,7 +192,8 @@ class AsyncLLMEngine:
 
         def add(engine: LLMEngine) -> None:
             try:
-                first = engine.add_prefilled(request_id, prompt_token_ids, first_token, first_logprob, params, cached)
+                first = engine.add_prefilled(request_id, prompt_token_ids, first_token, first_logprob, params, cached,
+                                             linear_state)
             except Exception as exc:
                 engine.cancel_prefilled(request_id)
                 self._deliver_last(request_id, exc)

@@ -6,8 +6,8 @@ what the cache holds. Each one that touches engine state runs on the engine's ow
 (``AsyncLLMEngine.call``), between two steps, so it never races the engine loop; each is async.
 
 Only constants set in ``LLMEngine.__init__`` are read directly, from any thread: the page geometry, the KV
-tensors NIXL registers, whether the model has linear-attention layers, and segment keys (a pure function of the
-model, the backend and the token ids). Requests themselves are streamed through the async engine unchanged.
+tensors NIXL registers, and segment keys (a pure function of the model, the backend and the token ids).
+Requests themselves are streamed through the async engine unchanged.
 
 Pins come back as handles (``SegmentPin``, ``PrefixPin``): the pinned pages stay put until the handle is given
 to ``unpin_segment`` / ``unpin_prefix``; the caller keeps track of which reader holds which handle.
@@ -28,7 +28,6 @@ from nebula_engine.engine.sampling_params import SamplingParams
 from nebula_engine.kernels.attention import AttentionContext
 from nebula_engine.kvcache.events import CacheKind, Tier
 from nebula_engine.kvcache.pool import OutOfPagesError
-from nebula_engine.pic.backends.base import has_linear_attention
 
 
 @dataclass(frozen=True)
@@ -78,7 +77,6 @@ class EngineClusterPort:
         self.page_size: int = storage.page_size
         self.kv_geometry = KVGeometry(storage.page_size, storage.num_pages, sum(
             t[0].numel() * t.element_size() for tensors in storage.layer_caches for t in tensors) // storage.page_size)
-        self.has_linear_attention: bool = has_linear_attention(self._engine.model_runner.model)
         self.caches_prefixes: bool = self._engine.scheduler.prefix_cache is not None
 
     def transfer_tensors(self) -> list[torch.Tensor]:
@@ -105,21 +103,29 @@ class EngineClusterPort:
         return await self._async.generate_held(request_id, prompt, params, backend_spec)
 
     def generate_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token: int,
-                           first_logprob: float, params: SamplingParams,
-                           cached: tuple[int, ...]) -> AsyncIterator[RequestOutput]:
+                           first_logprob: float, params: SamplingParams, cached: tuple[int, ...],
+                           linear_state: Mapping[str, list[torch.Tensor]] | None = None
+                           ) -> AsyncIterator[RequestOutput]:
+        """``linear_state``: the prefill peer's ``held_state`` (hybrid models; loaded into the reserved slot)."""
         return self._async.generate_prefilled(request_id, prompt_token_ids, first_token, first_logprob, params,
-                                              cached)
+                                              cached, linear_state)
 
     # ---- prefill -> decode hand-off ----
     async def held_pages(self, request_id: str) -> list[int]:
         """Pages of a finished held request (``generate_held``): its prompt K/V for the decode peer."""
         return await self._call(lambda e: e.held_block_table(request_id))
 
+    async def held_state(self, request_id: str) -> dict[str, list[torch.Tensor]]:
+        """The linear-attention state after a held request's prompt (``LLMEngine.held_linear_state``, on the CPU):
+        what the decode peer continues from; empty for models without linear-attention layers."""
+        return await self._call(lambda e: e.held_linear_state(request_id))
+
     async def release_held(self, request_id: str) -> None:
         await self._call(lambda e: e.release_held(request_id))
 
     async def reserve_prefilled(self, request_id: str, num_tokens: int) -> list[int]:
-        """Pages for a request prefilled on another peer (``LLMEngine.reserve_prefilled``)."""
+        """Pages (and a state slot, for hybrid models) for a request prefilled on another peer
+        (``LLMEngine.reserve_prefilled``)."""
         return await self._call(lambda e: e.reserve_prefilled(request_id, num_tokens))
 
     async def cancel_prefilled(self, request_id: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Mapping
 
 import torch
 
@@ -164,13 +165,23 @@ class LLMEngine:
             raise KeyError(f"request {request_id!r} holds no pages")
         return list(self.scheduler.kv_cache.block_tables[request_id])
 
+    def held_linear_state(self, request_id: str) -> dict[str, list[torch.Tensor]]:
+        """The linear-attention state after a finished ``hold_kv`` request's prompt, a CPU copy
+        (``KVCacheStorage.linear_state``): what the decode peer continues from along with the pages. Its slot
+        stays held with the pages until ``release_held``. Empty for models without linear-attention layers."""
+        if request_id not in self.scheduler.held:
+            raise KeyError(f"request {request_id!r} holds no pages")
+        slot = self.scheduler.kv_cache.state_slot(request_id)
+        return {} if slot is None else self.model_runner.kv_storage.linear_state(slot)
+
     def release_held(self, request_id: str) -> None:
         if request_id in self.scheduler.held:
             self.scheduler.release_held(request_id)
 
     def reserve_prefilled(self, request_id: str, num_tokens: int) -> list[int]:
-        """Pages for a request whose first ``num_tokens`` tokens' K/V another engine computed; the caller
-        writes them, then calls ``add_prefilled``. OutOfPagesError when the pool is short."""
+        """Pages (and, with linear-attention layers, a state slot) for a request whose first ``num_tokens``
+        tokens' K/V another engine computed; the caller writes the pages, then calls ``add_prefilled``.
+        OutOfPagesError / OutOfStateSlotsError when the pool is short; ``cancel_prefilled`` frees both."""
         if request_id in self._sequences or request_id in self.scheduler.kv_cache.block_tables:
             raise ValueError(f"request id {request_id!r} is already in use")
         return list(self.scheduler.kv_cache.allocate_slots(request_id, num_tokens))
@@ -180,12 +191,16 @@ class LLMEngine:
             self.scheduler.kv_cache.free(request_id)
 
     def add_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token: int, first_logprob: float,
-                      params: SamplingParams, cached: tuple[int, ...] = (0, 0, 0)) -> RequestOutput:
+                      params: SamplingParams, cached: tuple[int, ...] = (0, 0, 0),
+                      linear_state: Mapping[str, list[torch.Tensor]] | None = None) -> RequestOutput:
         """Continue a request prefilled elsewhere: its prompt K/V is in the reserved pages, its first token was
         sampled there. Returns the output after that first token (it may already be finished). ``cached``: the
-        prefix, PIC and recomputed token counts, then optionally the cache hits (default: prefix + PIC)."""
+        prefix, PIC and recomputed token counts, then optionally the cache hits (default: prefix + PIC).
+        ``linear_state``: with linear-attention layers (required then), the state after the prompt
+        (``held_linear_state`` on the prefill engine); it is loaded into the reserved state slot."""
         if params.n > 1 or params.prompt_logprobs is not None:
             raise ValueError("a request prefilled by another engine runs one completion (n=1) without prompt_logprobs")
+        self._load_prefilled_state(request_id, linear_state)
         seq = Sequence(request_id, prompt_token_ids, params)
         seq.num_prefix_cached_tokens, seq.num_pic_cached_tokens, seq.num_recomputed_tokens = cached[:3]
         hits = cached[3] if len(cached) > 3 else cached[0] + cached[1]
@@ -202,6 +217,17 @@ class LLMEngine:
             self.scheduler.finish(seq, decision.finish_reason, decision.stop_reason)
             return self.output_processor.finish(self._sequences.pop(request_id))
         return self.output_processor.snapshot(seq)
+
+    def _load_prefilled_state(self, request_id: str, linear_state: Mapping[str, list[torch.Tensor]] | None) -> None:
+        if request_id not in self.scheduler.kv_cache.block_tables:
+            raise ValueError(f"request {request_id!r} has no reserved pages (reserve_prefilled)")
+        slot = self.scheduler.kv_cache.state_slot(request_id)
+        if slot is None:
+            return
+        if not linear_state:
+            raise ValueError("a model with linear-attention layers continues a prefilled request only from the "
+                             "linear-attention state after its prompt")
+        self.model_runner.kv_storage.load_linear_state(slot, linear_state)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop ``request_id`` now; False if it is unknown or already finished."""

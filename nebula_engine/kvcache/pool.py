@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 
@@ -203,3 +203,23 @@ class KVCacheStorage:
         self.linear_states: list[tuple[torch.Tensor, torch.Tensor]] = states
         self.num_pages = num_pages
         self.page_size = page_size
+
+    def linear_state(self, slot: int) -> dict[str, list[torch.Tensor]]:
+        """A CPU copy of state slot ``slot``: every linear-attention layer's conv and recurrent state, what a
+        sequence continues from. Empty for models without linear-attention layers."""
+        if not self.linear_states:
+            return {}
+        return {"conv": [conv[slot].to("cpu", copy=True) for conv, _ in self.linear_states],
+                "recurrent": [recurrent[slot].to("cpu", copy=True) for _, recurrent in self.linear_states]}
+
+    def load_linear_state(self, slot: int, state: Mapping[str, list[torch.Tensor]]) -> None:
+        """Write ``state`` (``linear_state`` of this or another engine of the same model) into slot ``slot``;
+        ValueError, changing nothing, when it does not fit this model's layers."""
+        pairs = list(zip(state.get("conv", ()), state.get("recurrent", ())))
+        targets = [t[slot] for pair in self.linear_states for t in pair]
+        values = [t for pair in pairs for t in pair]
+        if len(pairs) != len(self.linear_states) or any(
+                not isinstance(v, torch.Tensor) or v.shape != t.shape for v, t in zip(values, targets)):
+            raise ValueError("the linear-attention state does not fit this model's layers")
+        for target, value in zip(targets, values):
+            target.copy_(value)

@@ -279,3 +279,19 @@ def test_every_peer_wants_the_api_key_on_v1_but_not_on_health_and_metrics(cluste
         assert post(url, "/health", None, key=None)[0] == 200
         assert post(url, "/metrics", None, key=None)[0] == 200
     assert serves(cluster, model_dir, "decode-0")
+
+
+def test_a_hybrid_model_decodes_on_the_decode_peer_exactly_as_on_one_engine(checkpoint_factory, tmp_path):
+    """Issue #15 point 4: Qwen3.5's linear-attention state after the prompt goes to the decode peer with its
+    pages, so the decode peer continues it, and the tokens are a single engine's."""
+    model = str(checkpoint_factory(CASES_BY_NAME["qwen3_5_linear_full_linear"]))
+    prompt = documents(seed=9, count=1, length=37)[0]
+    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    with LocalCluster(model, local_spec(1, 1), ENGINE, log_dir=tmp_path / "logs") as cluster:
+        status, handed = post(cluster.urls["prefill-0"], "/v1/completions", body, key=None)
+        read = cluster.state("decode-0")["transfer_bytes"]
+    assert status == 200, handed
+    assert read > 0  # the decode peer read the prompt's pages: it decoded the request
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    [local] = LLM(model, **ENGINE).generate({"prompt_token_ids": prompt}, params)
+    assert handed["choices"][0]["text"] == local.outputs[0].text

@@ -40,7 +40,7 @@ def test_the_port_reads_the_engine_geometry(port, engine):
     geometry = port.kv_geometry
     assert geometry.page_size == port.page_size == PAGE and geometry.num_pages == 256
     assert geometry.bytes_per_token > 0
-    assert port.caches_prefixes and not port.has_linear_attention
+    assert port.caches_prefixes
     assert port.segment_key("epic", segment(100)) == engine.engine.segment_key("epic", segment(100)) != ""
 
 

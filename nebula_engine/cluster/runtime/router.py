@@ -43,7 +43,7 @@ class InFlight:
 class RouterService:
     def __init__(self, name: str, prefill_peers: list[str], decode_peers: list[str], config: ClusterConfig,
                  policy: str, send: Callable[[str, wire.Msg], None], pic_key: Callable[[str | None, list[int]], str],
-                 decode_here: bool = False, dead_after_s: float = 3.0, clock: Callable[[], float] = time.monotonic):
+                 dead_after_s: float = 3.0, clock: Callable[[], float] = time.monotonic):
         self.name = name
         self.prefill_peers = prefill_peers
         self.decode_peers = decode_peers
@@ -51,7 +51,6 @@ class RouterService:
         self.policy = policy
         self.send = send
         self.pic_key = pic_key
-        self.decode_here = decode_here  # hybrid models: no prefill -> decode hand-off (their state is not moved)
         self.dead_after_s = dead_after_s
         self.clock = clock
         self.active = False
@@ -124,7 +123,8 @@ class RouterService:
                 compute_here.append(pic_index)
             if segment.action in (Action.COMPUTE, Action.REUSE) and segment.worker != plan.combine_home:
                 sources.append(wire.SourceSpec(pic_index, segment.key, holder, segment.key in computed))
-        decode = "" if self.decode_here or not self._live_decode_peers() else self._live_decode_peers()[0]
+        live_decode_peers = self._live_decode_peers()
+        decode = live_decode_peers[0] if live_decode_peers else ""
         remote_prefix = plan.prefix is not None and plan.prefix.worker != plan.combine_home
         flight.tasks.update([plan.combine_task_id, *local_tasks])
         self.in_flight[msg.request_id] = flight

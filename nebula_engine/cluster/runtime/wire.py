@@ -156,6 +156,9 @@ class Handoff(Msg):
     params: Params
     pages: list[int]  # on the sender, holding the prompt's K/V
     cached: list[int]  # prefix, PIC, recomputed token counts, then the cache hits (KV that existed before it)
+    # hybrid models: the linear-attention state after the prompt, in PinReply.state's codec (empty otherwise).
+    # It travels in this message for now, as PinReply.state does; reading it by NIXL with the pages is a later step.
+    state: bytes = b""
 
 
 class HandoffDone(Msg):

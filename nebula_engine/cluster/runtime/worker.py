@@ -7,8 +7,9 @@
   and its pages are held until the decode peer has read them (``Handoff``); otherwise it decodes here. If the
   decode peer dies (or never confirms) first, the request is reported lost (a resumable ``Failed``) and its
   front end runs it again after the token already streamed.
-- ``Handoff`` (decode peers): reserve pages, read the prompt K/V from the prefill peer, continue decoding; a read
-  that fails reports the request lost the same way (recomputing here would repeat the first token).
+- ``Handoff`` (decode peers): reserve pages, read the prompt K/V from the prefill peer, continue decoding (a
+  hybrid model's linear-attention state after the prompt comes in the message itself); a read that fails reports
+  the request lost the same way (recomputing here would repeat the first token).
 - Cache events (PIC stores/evicts, plus one PC event per cached prompt segment) and task completions go to the
   router. A failed or timed-out transfer never produces a wrong result: the segment is simply computed here.
 
@@ -97,6 +98,10 @@ def reused_tokens(segmented: SegmentedPrompt, prefix_len: int, indices: set[int]
 
 
 def _state_bytes(state: dict) -> bytes:
+    """The wire codec of state beyond pages (``PinReply.state``, ``Handoff.state``): tensors by torch's format,
+    read back with ``weights_only`` (no arbitrary unpickling); an empty state is empty bytes."""
+    if not state:
+        return b""
     buffer = io.BytesIO()
     torch.save(dict(state), buffer)
     return buffer.getvalue()
@@ -254,13 +259,14 @@ class WorkerService:
                                     fresh_tokens=fresh_tokens)
         self.send(msg.frontend, first_wire)  # TTFT
         pages = await self.engine.held_pages(engine_id)
+        state = await self.engine.held_state(engine_id)
         handoff_done = asyncio.get_running_loop().create_future()
         self._handoffs[engine_id] = handoff_done
         self.send(msg.decode_peer, wire.Handoff(
             sender=self.name, request_id=msg.request_id, attempt=msg.attempt, frontend=msg.frontend,
             prompt_token_ids=list(first.prompt_token_ids), first_token=completion.token_ids[0],
             first_logprob=completion.token_logprobs[0], params=msg.params, pages=pages,
-            cached=list(first_wire.cached)))
+            cached=list(first_wire.cached), state=_state_bytes(state)))
         try:
             outcome = await self._unless_dead(handoff_done, msg.decode_peer, HANDOFF_TIMEOUT_S)
         finally:
@@ -457,12 +463,13 @@ class WorkerService:
         engine_id = engine_request_id(msg.request_id, msg.attempt)
         try:
             try:
+                state = _state_from_bytes(msg.state)
                 pages = await self.engine.reserve_prefilled(engine_id, len(prompt))
                 moved = await asyncio.to_thread(self.agent.read_pages, msg.sender, msg.pages[:len(pages)], pages,
                                                 TRANSFER_TIMEOUT_S)
                 self.transfer_bytes += moved
                 stream = self.engine.generate_prefilled(engine_id, prompt, msg.first_token, msg.first_logprob,
-                                                        params, tuple(msg.cached))
+                                                        params, tuple(msg.cached), state)
             except (TransferError, ValueError, OutOfPagesError) as error:
                 self.transfer_failures += 1
                 logger.warning("hand-off of %s failed (%s): its front end runs it again", msg.request_id, error)
