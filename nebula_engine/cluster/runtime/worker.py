@@ -108,7 +108,16 @@ def _state_bytes(state: dict) -> bytes:
 
 
 def _state_from_bytes(data: bytes) -> dict:
-    return torch.load(io.BytesIO(data), weights_only=True) if data else {}
+    """Inverse of ``_state_bytes``; ValueError for bytes that are not a saved dict (nothing else is loaded)."""
+    if not data:
+        return {}
+    try:
+        state = torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as error:  # torch raises several types for malformed archives
+        raise ValueError(f"malformed state bytes: {error}") from error
+    if not isinstance(state, dict):
+        raise ValueError(f"state bytes hold a {type(state).__name__}, not a dict")
+    return state
 
 
 class WorkerService:
@@ -362,9 +371,17 @@ class WorkerService:
         if len(reply.pages) != len(pages):  # the holder's entry is laid out otherwise (another page size)
             await self._release(pages)
             return False
+        try:
+            state = _state_from_bytes(reply.state)
+        except ValueError as error:
+            self.transfer_failures += 1
+            logger.warning("the state of %s from %s is unreadable (%s): it will be recomputed", source.key,
+                           source.peer, error)
+            await self._release(pages)
+            return False
         if not await self._read_into(source.peer, reply.pages, pages, source.key):
             return False
-        await self.engine.import_segment(source.key, len(ids), pages, _state_from_bytes(reply.state))
+        await self.engine.import_segment(source.key, len(ids), pages, state)
         return True
 
     async def _fetch_prefix(self, msg: wire.Combine) -> bool:
