@@ -12,7 +12,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from nebula_engine.bench.cluster_compare import POLICIES, compare_command
+from nebula_engine.bench.cluster_compare import compare_command
+from nebula_engine.cluster.control.policy_names import POLICY_NAMES as POLICIES
 from nebula_engine.cluster.runtime.transfer import nixl_available
 from tests.model_cases import CASES_BY_NAME, checkpoint_factory  # noqa: F401  (fixture)
 
