@@ -1,12 +1,14 @@
 """``AsyncLLMEngine``: one ``LLMEngine`` driven by a background thread, fed by asyncio code.
 
 Invariants:
-- The loop thread is the only thread that calls into the engine's mutable state (``add_admitted``,
-  ``abort_request``, ``step``, and whatever a ``call`` runs there between two steps). Other threads only read
-  what ``LLMEngine.__init__`` fixed: ``admit``, ``resolve_request_backend`` and ``segment_key`` (pure functions
-  of the model and config), ``max_model_len``, ``tokenizer``, the KV pool's geometry and tensors, and the
-  thread-safe grammar compiler's cache. A cluster peer's worker reaches the engine only through
-  ``engine.cluster_port.EngineClusterPort``, which follows this rule.
+- The loop thread is the only thread that calls into the engine's scheduler and requests (``add_admitted``,
+  ``abort_request``, ``step``, and whatever a ``call`` runs there between two steps). The KV cache alone is
+  shared: a ``call_cache`` runs on a worker thread under the engine's ``cache_lock``, which the loop thread holds
+  for everything it does but the batch's forward. Other threads only read what ``LLMEngine.__init__`` fixed:
+  ``admit``, ``resolve_request_backend`` and ``segment_key`` (pure functions of the model and config),
+  ``max_model_len``, ``tokenizer``, the KV pool's geometry and tensors, and the thread-safe grammar compiler's
+  cache. A cluster peer's worker reaches the engine only through ``engine.cluster_port.EngineClusterPort``,
+  which follows these rules.
 - A request is admitted (``admission.admit``) in ``generate``, on the caller's side, before it is queued; the
   loop thread adds it as admitted.
 - Callers hand commands over through a deque guarded by a condition variable; the loop thread sleeps on it
@@ -24,6 +26,7 @@ import asyncio
 import logging
 import threading
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import AsyncIterator, Mapping
 
@@ -101,6 +104,7 @@ class AsyncLLMEngine:
         self._stopping = False
         self._dead = False
         self._stats = EngineStats()
+        self._cache_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nebula-engine-cache")
         self._thread = threading.Thread(target=self._run, name="nebula-engine-loop", daemon=True)
         self._thread.start()
 
@@ -167,6 +171,21 @@ class AsyncLLMEngine:
             self._commands.append(_Call(fn, future, loop))
             self._wakeup.notify()
         return await future
+
+    async def call_cache(self, fn):
+        """Run ``fn(engine)`` holding the engine's ``cache_lock`` and return its result: it runs between two steps
+        or while a step's forward computes, so it waits for the cache work of a step, not for the step. Cache
+        calls run one at a time, in the order they were made, on a thread of their own (waiting for the lock
+        holds up no other executor thread). ``fn`` may touch only ``engine.cache_store`` (its pool, PIC store,
+        prefix tree and tiers): the scheduler and running requests are the loop thread's alone."""
+        if self._stopping or self._dead:
+            raise EngineDeadError("the engine is shut down")
+
+        def locked():
+            with self.engine.cache_lock:
+                return fn(self.engine)
+
+        return await asyncio.get_running_loop().run_in_executor(self._cache_thread, locked)
 
     async def generate_held(self, request_id: str, prompt: EnginePrompt, params: SamplingParams,
                             pic_backend: str | None = ENGINE_DEFAULT) -> RequestOutput:
@@ -236,6 +255,7 @@ class AsyncLLMEngine:
             self._stopping = True
             self._wakeup.notify()
         self._thread.join(timeout)
+        self._cache_thread.shutdown(wait=False, cancel_futures=True)
 
     # ---- loop thread ----
 
@@ -243,7 +263,8 @@ class AsyncLLMEngine:
         try:
             while (commands := self._next_commands()) is not None:
                 for command in commands:
-                    self._apply(command)
+                    with self.engine.cache_lock:
+                        self._apply(command)
                 if self.engine.has_unfinished_requests():
                     self._step()
                 self._stats = EngineStats(len(self.engine.scheduler.waiting), len(self.engine.scheduler.running))
@@ -322,7 +343,8 @@ class AsyncLLMEngine:
     def _fail_in_flight(self, error: EngineError) -> None:
         for request_id in list(self._in_engine):
             try:
-                self.engine.abort_request(request_id)
+                with self.engine.cache_lock:
+                    self.engine.abort_request(request_id)
             except Exception:
                 logger.exception("could not abort %r after the engine failure", request_id)
             self._deliver_last(request_id, error)
@@ -331,7 +353,8 @@ class AsyncLLMEngine:
     def _close(self, error: EngineDeadError) -> None:
         for request_id in list(self._in_engine):  # leave the engine idle, as if those requests never came
             try:
-                self.engine.abort_request(request_id)
+                with self.engine.cache_lock:
+                    self.engine.abort_request(request_id)
             except Exception:
                 logger.exception("could not abort %r at shutdown", request_id)
         self._in_engine.clear()

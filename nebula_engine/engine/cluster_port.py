@@ -2,8 +2,11 @@
 
 A peer needs a handful of cache operations from its engine: pin and unpin what a remote reader copies, take and
 give back pages, store what it read from another peer, prefill segments for the router, name segments, report
-what the cache holds. Each one that touches engine state runs on the engine's own thread
-(``AsyncLLMEngine.call``), between two steps, so it never races the engine loop; each is async.
+what the cache holds. Each is async and never races the engine loop: one that touches only the KV cache
+(pages, pins, storing what was read, prefix queries) runs under the engine's cache lock
+(``AsyncLLMEngine.call_cache``), so it gets in while a step's forward computes; the others (prefilling, cache
+events, hand-offs) run on the engine's own thread between two steps (``AsyncLLMEngine.call``). A pin served
+mid-step is what lets a remote read cost less than recomputing a short segment.
 
 Only constants set in ``LLMEngine.__init__`` are read directly, from any thread: the page geometry, the KV
 tensors NIXL registers, and segment keys (a pure function of the model, the backend and the token ids).
@@ -91,7 +94,12 @@ class EngineClusterPort:
         return self._async.stats()
 
     async def _call(self, fn):
+        """``fn(engine)`` on the engine thread, between two steps."""
         return await self._async.call(fn)
+
+    async def _call_cache(self, fn):
+        """``fn(engine)``, touching only the cache store, under the cache lock: it need not wait for a step to end."""
+        return await self._async.call_cache(fn)
 
     # ---- requests (streamed by the async engine) ----
     def generate(self, request_id: str, prompt: EnginePrompt, params: SamplingParams,
@@ -143,10 +151,10 @@ class EngineClusterPort:
             except OutOfPagesError:
                 return None
 
-        return await self._call(allocate)
+        return await self._call_cache(allocate)
 
     async def release_pages(self, pages: list[int]) -> None:
-        await self._call(lambda e: e.cache_store.pool.release(pages))
+        await self._call_cache(lambda e: e.cache_store.pool.release(pages))
 
     # ---- PIC segments ----
     async def pin_segment(self, key: str, num_tokens: int) -> SegmentPin | None:
@@ -155,10 +163,10 @@ class EngineClusterPort:
             entry = engine.cache_store.lookup_segment(key, num_tokens)  # locked
             return None if entry is None else SegmentPin(tuple(entry.pages), dict(entry.state), entry)
 
-        return await self._call(pin)
+        return await self._call_cache(pin)
 
     async def unpin_segment(self, pin: SegmentPin) -> None:
-        await self._call(lambda e: e.cache_store.pic.unlock(pin.entry))
+        await self._call_cache(lambda e: e.cache_store.pic.unlock(pin.entry))
 
     async def import_segment(self, key: str, num_tokens: int, pages: list[int], state: Mapping[str, Any]) -> None:
         """Store a segment whose K/V was written into ``pages`` (from ``allocate_pages``); the pages pass to the
@@ -168,7 +176,7 @@ class EngineClusterPort:
             engine.cache_store.pic.unlock(entry)
             engine.cache_store.pool.release(pages)  # the store holds its own reference
 
-        await self._call(insert)
+        await self._call_cache(insert)
 
     async def prefill_segment(self, backend_spec, token_ids: list[int]) -> None:
         """Make sure the segment is in the PIC store: found there, or prefilled alone now (when the pool has
@@ -204,7 +212,7 @@ class EngineClusterPort:
     # ---- cached prefixes ----
     async def cached_prefix_pages(self, token_ids: list[int]) -> int:
         """How many leading pages of ``token_ids`` the prefix cache holds."""
-        return await self._call(lambda e: len(e.cache_store.radix.match_prefix(token_ids).pages))
+        return await self._call_cache(lambda e: len(e.cache_store.radix.match_prefix(token_ids).pages))
 
     async def pin_prefix(self, token_ids: list[int]) -> PrefixPin | None:
         """The cached leading pages of ``token_ids``, locked; None when not even the first page is cached."""
@@ -216,10 +224,10 @@ class EngineClusterPort:
             radix.inc_lock_ref(match.last_node)
             return PrefixPin(tuple(match.pages), match.last_node)
 
-        return await self._call(pin)
+        return await self._call_cache(pin)
 
     async def unpin_prefix(self, pin: PrefixPin) -> None:
-        await self._call(lambda e: e.cache_store.radix.dec_lock_ref(pin.node))
+        await self._call_cache(lambda e: e.cache_store.radix.dec_lock_ref(pin.node))
 
     async def import_prefix(self, token_ids: list[int], pages: list[int]) -> None:
         """Cache ``pages`` (from ``allocate_pages``, K/V written) as the prefix ``token_ids`` starts with, one page
@@ -230,7 +238,7 @@ class EngineClusterPort:
             store.radix.dec_lock_ref(last)
             store.pool.release(pages)  # the tree holds its own reference to the pages it kept
 
-        await self._call(insert)
+        await self._call_cache(insert)
 
     async def cached_prefix_hashes(self, token_ids: list[int], page_counts: list[int]) -> list[str]:
         """For each count in ``page_counts`` (ascending), the block hash of the last of that many leading pages
@@ -244,7 +252,7 @@ class EngineClusterPort:
                 hashes.append(match.last_node.block_hash)
             return hashes
 
-        return await self._call(collect)
+        return await self._call_cache(collect)
 
     # ---- cache state ----
     async def drain_cache_events(self, snapshot: bool = False) -> CacheDrain:

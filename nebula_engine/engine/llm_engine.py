@@ -23,6 +23,7 @@ from nebula_engine.engine.sequence import Sequence
 from nebula_engine.engine.structured_outputs import GrammarCompiler
 from nebula_engine.engine.tokenizer import Tokenizer
 from nebula_engine.kernels.attention import get_attention_backend, resolve_attention_backend
+from nebula_engine.kvcache.cache_lock import CacheLock
 from nebula_engine.kvcache.pool import num_pages_for_budget
 from nebula_engine.model.loader import load_model
 from nebula_engine.pic.backends import PICBackend, resolve_pic_backend
@@ -52,6 +53,8 @@ class LLMEngine:
         kv_cache = build_kv_cache(config.cache, groups, num_pages, num_state_slots, config.device, self._model_id(),
                                   with_pic=self.pic_backend is not None)
         self.cache_store = kv_cache.cache_store  # None: prefix caching and PIC both off
+        # held by whoever changes the cache; ``step`` lets go of it during the batch's forward (``CacheLock``)
+        self.cache_lock = CacheLock()
         self.scheduler = Scheduler(config.scheduler, kv_cache.manager, kv_cache.prefix_cache)
         self.model_runner = self._model_runner(model, kv_cache, eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer, eos_token_ids, self.max_model_len)
@@ -77,7 +80,7 @@ class LLMEngine:
             pic_executor = PICExecutor(model, kv_cache.storage, kv_cache.cache_store, attention_backend, mla_backend,
                                        self._model_id(), prefix[0] if len(prefix) == 1 else None)
         return ModelRunner(model, kv_cache.storage, attention_backend, mla_backend, sampler, config.device,
-                           pic_executor)
+                           pic_executor, self.cache_lock)
 
     def _max_model_len(self, model_config: ModelConfig, pool_tokens: int) -> int:
         # a lone sequence must always fit in the pool, or preemption could never make room for it
@@ -248,7 +251,12 @@ class LLMEngine:
         """Run one scheduled batch; returns a ``RequestOutput`` (cumulative so far) for every request that
         got a token in it, ``finished`` set on those that stopped. A request whose own work failed in this step
         (``ModelRunnerOutput.failed``, or its output processing) is aborted and returned finished with ``error``
-        set; the others go on. An exception out of ``step`` is the engine's, not one request's."""
+        set; the others go on. An exception out of ``step`` is the engine's, not one request's. Holds
+        ``cache_lock`` but during the batch's forward."""
+        with self.cache_lock:
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         output = self.scheduler.schedule()
         if output.is_empty:
             if self.scheduler.has_unfinished():

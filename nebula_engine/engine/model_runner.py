@@ -24,6 +24,7 @@ from nebula_engine.engine.sampler import RowHistory, Sampler, SamplerOutput, Top
 from nebula_engine.engine.scheduler import ScheduledSequence, SchedulerOutput
 from nebula_engine.kernels.attention import AttentionBackend, AttentionContext, AttentionMetadata
 from nebula_engine.kernels.mla_attention import MLAAttentionBackend, mla_backend_for
+from nebula_engine.kvcache.cache_lock import CacheLock
 from nebula_engine.kvcache.pool import KVCacheStorage
 from nebula_engine.kvcache.spec import KVCacheGroupSpec, MLALatentSpec
 from nebula_engine.model.gated_deltanet import LinearAttentionState
@@ -63,9 +64,10 @@ def latent_attention_backend(attention_backend: AttentionBackend,
 class ModelRunner:
     def __init__(self, model: nn.Module, kv_storage: KVCacheStorage, attention_backend: AttentionBackend,
                  mla_backend: MLAAttentionBackend | None, sampler: Sampler, device: torch.device | str,
-                 pic_executor: PICExecutor | None = None):
+                 pic_executor: PICExecutor | None = None, cache_lock: CacheLock | None = None):
         """``mla_backend``: ``latent_attention_backend`` of the storage's groups; ``pic_executor``: runs the combine
-        prefills (None: this engine serves no PIC backend)."""
+        prefills (None: this engine serves no PIC backend); ``cache_lock``: the engine's, let go during the batch's
+        forward and sampling, which touch only the pages already scheduled."""
         self.model = model
         self.kv_storage = kv_storage
         self.attention_backend = attention_backend
@@ -73,6 +75,7 @@ class ModelRunner:
         self.sampler = sampler
         self.device = torch.device(device)
         self.pic_executor = pic_executor
+        self.cache_lock = cache_lock or CacheLock()
 
     @torch.inference_mode()
     def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
@@ -93,9 +96,10 @@ class ModelRunner:
         if not sampling:  # every sequence is mid-prefill (or failed)
             return ModelRunnerOutput([], SamplerOutput([], []), failed, prompt_logprobs)
         seq_ids = [s.seq_id for s in sampling]
-        logits = self.model.compute_logits(torch.cat([hidden for _, hidden in parts]))
-        sampled = self.sampler(logits, seq_ids, [s.seq.sampling_params for s in sampling],
-                               [RowHistory(s.seq.token_ids, s.seq.num_prompt_tokens) for s in sampling])
+        with self.cache_lock.released():
+            logits = self.model.compute_logits(torch.cat([hidden for _, hidden in parts]))
+            sampled = self.sampler(logits, seq_ids, [s.seq.sampling_params for s in sampling],
+                                   [RowHistory(s.seq.token_ids, s.seq.num_prompt_tokens) for s in sampling])
         for seq_id, exc in sampled.failed.items():
             logger.error("request %s failed: its sampling state could not be built", seq_id, exc_info=exc)
         failed.update(sampled.failed)
@@ -154,11 +158,12 @@ class ModelRunner:
         inputs = self.prepare_inputs(scheduled)
         ctx = AttentionContext(self.attention_backend, inputs.meta, self.kv_storage.layer_caches, self.mla_backend)
         new_states = None
-        if self.kv_storage.linear_states:
-            hidden, new_states = self.model.forward_with_states(inputs.input_ids, inputs.positions, ctx,
-                                                                self._load_states(scheduled))
-        else:
-            hidden = self.model.forward(inputs.input_ids, inputs.positions, ctx)
+        with self.cache_lock.released():
+            if self.kv_storage.linear_states:
+                hidden, new_states = self.model.forward_with_states(inputs.input_ids, inputs.positions, ctx,
+                                                                    self._load_states(scheduled))
+            else:
+                hidden = self.model.forward(inputs.input_ids, inputs.positions, ctx)
         return hidden.index_select(0, inputs.logits_indices), new_states, self._prompt_rows(scheduled, inputs, hidden)
 
     @staticmethod

@@ -44,14 +44,14 @@ def test_the_port_reads_the_engine_geometry(port, engine):
     assert port.segment_key("epic", segment(100)) == engine.engine.segment_key("epic", segment(100)) != ""
 
 
-def test_cache_operations_run_on_the_engine_thread(port, engine, monkeypatch):
-    threads = []
+def test_cache_operations_hold_the_engine_cache_lock(port, engine, monkeypatch):
+    held = []
     pool = engine.engine.cache_store.pool
     for name in ("allocate", "release"):
         original = getattr(pool, name)
 
         def recorded(*args, _original=original, **kwargs):
-            threads.append(threading.current_thread().name)
+            held.append((threading.current_thread().name, engine.engine.cache_lock.held()))
             return _original(*args, **kwargs)
 
         monkeypatch.setattr(pool, name, recorded)
@@ -61,7 +61,42 @@ def test_cache_operations_run_on_the_engine_thread(port, engine, monkeypatch):
         await port.release_pages(pages)
 
     run(allocate_and_release())
-    assert threads == ["nebula-engine-loop"] * 2
+    assert [locked for _, locked in held] == [True, True]
+    assert all(name.startswith("nebula-engine-cache") for name, _ in held)
+
+
+def test_a_segment_is_pinned_while_a_step_computes(port, engine, monkeypatch):
+    """The pin a remote reader waits for is served during the engine's forward, not after the step."""
+    ids = segment(500)
+    key = port.segment_key("epic", ids)
+    run(port.prefill_segment("epic", ids))
+    model = engine.engine.model_runner.model
+    forward = model.forward
+    in_forward, pinned = threading.Event(), threading.Event()
+    outcome = {}
+
+    def blocking_forward(*args, **kwargs):
+        in_forward.set()
+        outcome["pinned during the forward"] = pinned.wait(timeout=60)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", blocking_forward)
+
+    async def request_and_pin():
+        async def request():
+            async for _ in engine.generate("pinned-mid-step", list(range(40, 60)), SamplingParams(max_tokens=1)):
+                pass
+
+        running = asyncio.ensure_future(request())
+        assert await asyncio.to_thread(in_forward.wait, 60)
+        pin = await port.pin_segment(key, len(ids))
+        pinned.set()
+        await running
+        await port.unpin_segment(pin)
+        return pin
+
+    pin = run(request_and_pin())
+    assert pin is not None and outcome == {"pinned during the forward": True}
 
 
 def test_a_pinned_segment_copied_into_fresh_pages_is_found_under_its_key_on_the_reader(port):
