@@ -24,7 +24,7 @@ from nebula_engine.bench.progress import Progress
 from nebula_engine.bench.replay import ReplayOptions, as_sent, replay
 from nebula_engine.bench.report import summarize
 from nebula_engine.cluster.runtime.launcher import LocalCluster, local_spec
-from nebula_engine.cluster.runtime.spec import PeerSettings
+from nebula_engine.cluster.runtime.spec import ClusterSpec, PeerSettings
 from nebula_engine.workloads.analysis import reuse_stats
 from nebula_engine.workloads.registry import load_workload
 from nebula_engine.cluster.control.policy_names import POLICY_NAMES
@@ -69,6 +69,11 @@ class CompareOptions:
     peer_timeout_s: float = 30.0
     # five smollm2 peers loading at once on a crowded 2-core machine (load 14) took over 180 s to come up
     start_timeout_s: float = 900.0
+    policies: tuple[str, ...] = POLICY_NAMES
+    # what the planner charges once per remote source (ClusterSpec.remote_read_latency_s, measured there)
+    remote_read_latency_s: float = ClusterSpec.remote_read_latency_s
+    scatter_dispatch_s: float = ClusterSpec.scatter_dispatch_s  # and per cold segment scattered to another peer
+    log_level: str = "warning"  # the peers' (debug: each combine's remote KV wait, each read's pin and store times)
 
     @property
     def kv_tokens_per_peer(self) -> int:
@@ -76,12 +81,14 @@ class CompareOptions:
 
 
 def run_policy(model: str, policy: str, requests, options: CompareOptions, log_dir: Path) -> dict:
-    spec = local_spec(options.prefill_workers, options.decode_workers, policy=policy)
+    spec = local_spec(options.prefill_workers, options.decode_workers, policy=policy,
+                      remote_read_latency_s=options.remote_read_latency_s,
+                      scatter_dispatch_s=options.scatter_dispatch_s)
     engine = {"page_size": options.page_size, "num_pages": options.num_pages,
               "pic_backend": None if options.pic_backend == "none" else options.pic_backend}
     settings = PeerSettings(peer_timeout_s=options.peer_timeout_s, failover_timeout_s=2 * options.peer_timeout_s)
     cluster = LocalCluster(model, spec, engine, log_dir=log_dir / policy, settings=settings,
-                           torch_threads=options.threads_per_peer)
+                           torch_threads=options.threads_per_peer, log_level=options.log_level)
     started = time.monotonic()
     click.echo(f"  {policy:<10} starting {len(spec.peers)} peers ...", err=True)
     cluster.start(options.start_timeout_s)
@@ -116,7 +123,7 @@ def compare(model: str, options: CompareOptions, out_dir: Path, data_dir: Path |
     requests = load_workload(options.trace, data_dir=data_dir, limit=options.num_requests,
                              seed=options.seed)[:options.num_requests]
     bound = slice_bound(requests, options.max_prompt_tokens)
-    rows = [run_policy(model, policy, requests, options, out_dir / "logs") for policy in POLICY_NAMES]
+    rows = [run_policy(model, policy, requests, options, out_dir / "logs") for policy in options.policies]
     out_dir.mkdir(parents=True, exist_ok=True)
     document = {"model": model, "options": {**asdict(options), "kv_tokens_per_peer": options.kv_tokens_per_peer},
                 **bound, "rows": [_json_safe(row) for row in rows]}
@@ -143,7 +150,8 @@ COLUMNS_EXPLAINED = (
 
 
 def format_table(rows: list[dict], bound: float | None = None) -> str:
-    base = next(r for r in rows if r["policy"] == "pc")
+    """Ratios against ``pc``, or against the first row when ``pc`` did not run."""
+    base = next((r for r in rows if r["policy"] == "pc"), rows[0])
 
     def ratio(value: float, reference: float) -> str:
         return f"{value / reference:.2f}" if reference else "n/a"
@@ -217,11 +225,25 @@ def plot_compare(path: Path, rows: list[dict], bound: float | None, title: str) 
 @click.option("--max-tokens", type=click.IntRange(min=1), default=CompareOptions.max_tokens, show_default=True)
 @click.option("--pic-backend", default=CompareOptions.pic_backend, show_default=True)
 @click.option("--seed", type=int, default=CompareOptions.seed, show_default=True)
+@click.option("--policy", "policies", type=click.Choice(POLICY_NAMES), multiple=True,
+              help="Run only this policy (repeatable; default: all three, in the order pc, local-pic, nebula).")
+@click.option("--remote-read-latency", "remote_read_latency_s", type=click.FloatRange(min=0),
+              default=CompareOptions.remote_read_latency_s, show_default=True,
+              help="Seconds the planner charges once per peer it reads KV from (the cluster spec's "
+                   "remote_read_latency_s; 0: every read the data plane offers is planned).")
+@click.option("--scatter-dispatch", "scatter_dispatch_s", type=click.FloatRange(min=0),
+              default=CompareOptions.scatter_dispatch_s, show_default=True,
+              help="Seconds the planner charges a cold segment it scatters to another peer, beyond its prefill and "
+                   "the read (the cluster spec's scatter_dispatch_s).")
+@click.option("--log-level", type=click.Choice(("debug", "info", "warning", "error")),
+              default=CompareOptions.log_level, show_default=True,
+              help="The peers' log level (debug: per combine, how long its remote KV took).")
 @click.option("--data", "data_dir", type=click.Path(file_okay=False, path_type=Path), default=None)
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("bench_results"),
               show_default=True)
 def compare_command(model, data_dir, out_dir, **options) -> None:
     """Start a local cluster per policy (pc, local-pic, nebula), replay a workload slice, print the comparison."""
+    options["policies"] = tuple(dict.fromkeys(options["policies"])) or CompareOptions.policies
     opts = CompareOptions(**options)
     model = str(bench_model_dir()) if model == "bench-qwen3" else _resolved(model)
     threads = f", {opts.threads_per_peer} thread(s) each" if opts.threads_per_peer else ""

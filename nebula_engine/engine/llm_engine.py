@@ -78,7 +78,7 @@ class LLMEngine:
         if kv_cache.cache_store is not None:
             prefix = self.tokenizer.prompt_prefix_ids if self.tokenizer is not None else []
             pic_executor = PICExecutor(model, kv_cache.storage, kv_cache.cache_store, attention_backend, mla_backend,
-                                       self._model_id(), prefix[0] if len(prefix) == 1 else None)
+                                       self._model_id(), prefix[0] if len(prefix) == 1 else None, self.cache_lock)
         return ModelRunner(model, kv_cache.storage, attention_backend, mla_backend, sampler, config.device,
                            pic_executor, self.cache_lock)
 

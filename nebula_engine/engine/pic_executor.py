@@ -23,6 +23,7 @@ from torch import nn
 from nebula_engine.engine.scheduler import ScheduledSequence
 from nebula_engine.kernels.attention import AttentionBackend
 from nebula_engine.kernels.mla_attention import MLAAttentionBackend
+from nebula_engine.kvcache.cache_lock import CacheLock
 from nebula_engine.kvcache.cache_store import CacheStore
 from nebula_engine.kvcache.pic_store import PICEntry, segment_key
 from nebula_engine.kvcache.pool import KVCacheStorage, OutOfPagesError
@@ -42,7 +43,8 @@ class PICStats:
 class PICExecutor:
     def __init__(self, model: nn.Module, storage: KVCacheStorage, cache: CacheStore,
                  attention_backend: AttentionBackend, mla_backend: MLAAttentionBackend | None, model_id: str,
-                 bos_token_id: int | None):
+                 bos_token_id: int | None, cache_lock: CacheLock | None = None):
+        """``cache_lock``: the engine's, let go of while a forward writes only pages this executor holds."""
         self.model = model
         self.storage = storage
         self.cache = cache
@@ -51,6 +53,7 @@ class PICExecutor:
         self.model_id = model_id
         self.bos_token_id = bos_token_id
         self.stats = PICStats()
+        self.cache_lock = cache_lock or CacheLock()
 
     def segment_key(self, backend: PICBackend, token_ids, context_ids=()) -> str:
         """The store key of a segment prefilled behind ``context_ids`` (``segment_context``): a backend with
@@ -101,7 +104,8 @@ class PICExecutor:
         finally:
             for found in locked:
                 self.cache.pic.unlock(found)
-        result = backend.combine(run)
+        with self.cache_lock.released():  # writes only the request's pages; the reused K/V was copied in
+            result = backend.combine(run)
         if result.linear_states is not None:
             self._store_linear_states(entry.state_slot, result.linear_states)
         if seq.num_preemptions == 0:  # a resumed request reports its first combine's counts, as for its prefix
@@ -186,7 +190,8 @@ class PICExecutor:
                 scratch_slots)))
         created: dict[str, PICEntry | None] = dict.fromkeys(cold)
         try:
-            states = backend.prefill_segments(self.model, [p[3] for p in planned]) if planned else []
+            with self.cache_lock.released():  # writes only the pages held above
+                states = backend.prefill_segments(self.model, [p[3] for p in planned]) if planned else []
             for (key, ids, pages, _), state in zip(planned, states):
                 created[key] = self.cache.insert_segment(key, len(ids), pages, state)
         finally:

@@ -75,3 +75,14 @@ def test_the_spec_carries_the_planners_remote_read_latency():
     assert ClusterSpec.from_json(json.dumps(data)).remote_read_latency_s == ClusterSpec.remote_read_latency_s
     with pytest.raises(ValueError, match="remote_read_latency_s"):
         ClusterSpec((peer,), remote_read_latency_s=-1.0)
+
+
+def test_the_spec_carries_the_planners_scatter_dispatch():
+    peer = PeerSpec("p", "prefill", "127.0.0.1", 1, 2, 3, 0)
+    spec = ClusterSpec((peer,), scatter_dispatch_s=0.5)
+    assert ClusterSpec.from_json(spec.to_json()).scatter_dispatch_s == 0.5
+    data = json.loads(spec.to_json())
+    del data["scatter_dispatch_s"]  # a spec written before the field existed: the measured default
+    assert ClusterSpec.from_json(json.dumps(data)).scatter_dispatch_s == ClusterSpec.scatter_dispatch_s
+    with pytest.raises(ValueError, match="scatter_dispatch_s"):
+        ClusterSpec((peer,), scatter_dispatch_s=-1.0)

@@ -174,3 +174,4 @@ def test_the_cost_profile_carries_the_engine_geometry_and_the_measured_prefill()
     assert profile.kv_bytes_per_token == 96 and profile.cache_capacity_tokens == 40
     assert profile.prefill.per_token_s == 0.002 and profile.gpus_per_node == 3
     assert profile.intra_node.latency_s == spec.remote_read_latency_s
+    assert profile.dispatch_s == spec.scatter_dispatch_s

@@ -1,6 +1,7 @@
 import logging
 import random
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -176,6 +177,52 @@ def test_link_latency_keeps_short_segments_at_the_home_and_still_spreads_long_on
     hit = PlanningProblem((Hit(20, ((1, Tier.DEVICE),)),), (200,), (0.0, 0.0), 0.0)
     costs = TransferCosts([[0.0, 0.01], [0.01, 0.0]], latency=[[0.0, 40.0], [40.0, 0.0]])
     assert estimate(hit, 0, [0], [1], costs) == max(200, 0.01 * 20 + 40.0)
+
+
+def costs_with_dispatch(rng: random.Random, workers: int) -> TransferCosts:
+    costs = costs_with_latency(rng, workers)
+    dispatch = [[0.0 if w == c else rng.choice([0.0, 10.0, 60.0, rng.random() * 200]) for w in range(workers)]
+                for c in range(workers)]
+    return TransferCosts(costs.to, {Tier.HOST: costs.tier_cost[Tier.HOST]}, costs.latency, dispatch)
+
+
+@pytest.mark.parametrize("compiled", [None, False])
+@pytest.mark.parametrize("seed", range(100))
+def test_both_loops_match_literal_algorithm_1_with_latency_and_dispatch(seed, compiled):
+    rng = random.Random(seed)
+    workers = rng.randint(1, 6)
+    costs = costs_with_dispatch(rng, workers)
+    problem = random_problem(rng, workers, rng.randint(0, 14))
+    assert GreedyPlanner(costs, seed, compiled=compiled).plan(problem) == \
+        reference_plan(problem, costs, random.Random(seed))
+
+
+def test_dispatch_is_paid_by_a_worker_computing_for_another_home_not_by_a_source():
+    def costs(dispatch):
+        return TransferCosts([[0.0, 0.01], [0.01, 0.0]], latency=[[0.0, 10.0], [10.0, 0.0]],
+                             dispatch=[[0.0, dispatch], [dispatch, 0.0]])
+
+    def plan(cold, dispatch):
+        return GreedyPlanner(costs(dispatch), compiled=False).plan(PlanningProblem((), cold, (0.0, 0.0), 0.0))
+
+    assert set(plan((100, 100), dispatch=0.0).cold_workers) == {0, 1}  # latency alone: worth splitting
+    assert len(set(plan((100, 100), dispatch=120.0).cold_workers)) == 1  # the dispatch wait outweighs it
+    assert set(plan((400, 400), dispatch=120.0).cold_workers) == {0, 1}
+    # worker 1 only sends its cached copy: latency, no dispatch; once it computes too, both
+    hit = PlanningProblem((Hit(20, ((1, Tier.DEVICE),)),), (200,), (0.0, 0.0), 0.0)
+    assert estimate(hit, 0, [0], [1], costs(120.0)) == max(200, 0.01 * 20 + 10.0)
+    assert estimate(hit, 0, [1], [1], costs(120.0)) == 200 + 0.01 * 200 + 0.01 * 20 + 10.0 + 120.0
+    with pytest.raises(ValueError, match="dispatch"):
+        TransferCosts([[0.0]], dispatch=[[5.0]])
+
+
+def test_profile_dispatch_in_prefill_tokens():
+    profile = ClusterProfile.load()
+    assert profile.dispatch_s == 0.0  # the paper's model: shipped profiles have none
+    scattered = replace(profile, dispatch_s=0.1)
+    costs = TransferCosts.from_profile(scattered, 2)
+    assert costs.dispatch[0][0] == 0.0
+    assert costs.dispatch[0][1] == pytest.approx(0.1 / profile.prefill.per_token_s)
 
 
 def large_problem(rng: random.Random, workers: int, segments: int, tied_loads: bool) -> PlanningProblem:

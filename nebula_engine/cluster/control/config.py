@@ -65,7 +65,9 @@ class ClusterProfile:
     ``combine_cost[backend]``: prefill tokens the combine spends per reused PIC token with that backend
     (1.0 = recomputing it: measured as the combine's time over a plain prefill of the same prompt). ``shared_compute``: the workers of a node share its ``node_cores`` processors (a
     local cluster on one CPU machine; prefill times are then single-core seconds), so a lone forward runs
-    ``node_cores`` times faster and concurrent forwards share that speed.
+    ``node_cores`` times faster and concurrent forwards share that speed. ``dispatch_s``: how long a cold
+    segment scattered to a worker other than the home waits there beyond its prefill and its link's latency
+    (the worker finishing what it is doing, the home's pin waiting for the segment); 0 in the paper's model.
     """
 
     name: str
@@ -83,6 +85,7 @@ class ClusterProfile:
     combine_cost: dict = field(hash=False)
     shared_compute: bool = False
     node_cores: float = 1.0
+    dispatch_s: float = 0.0
     sources: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
@@ -129,6 +132,10 @@ class ClusterProfile:
         link = self.link(src, dst)
         return 0.0 if link is None else link.latency_s / self.prefill.per_token_s
 
+    def relative_dispatch(self, worker: int, home: int) -> float:
+        """``dispatch_s`` in prefill tokens, paid by a worker once it computes for another home; 0 on itself."""
+        return 0.0 if worker == home else self.dispatch_s / self.prefill.per_token_s
+
     def tier_cost(self, tier: Tier) -> float:
         """Per-token cost, in prefill tokens, of reading a copy on ``tier`` into device memory."""
         link = self.tier_link(tier)
@@ -143,7 +150,8 @@ class ClusterProfile:
 
     @classmethod
     def from_dict(cls, data: dict) -> "ClusterProfile":
-        required = {f.name for f in fields(cls) if f.name not in ("shared_compute", "node_cores", "sources")}
+        required = {f.name for f in fields(cls) if f.name not in ("shared_compute", "node_cores", "dispatch_s",
+                                                                   "sources")}
         missing = sorted(required - set(data))
         if missing:
             raise ValueError(f"profile {data.get('name', '?')!r} lacks {', '.join(missing)}")

@@ -48,10 +48,13 @@ class TransferCosts:
 
     ``latency[c][w]``: the fixed cost, in prefill tokens, that worker w adds to a plan with home c once it
     sends the home anything (a link's latency; on a local cluster the pin round trip and engine-thread hops).
-    §7.2's estimate has per-token terms only; this term is 0 unless given, which is Algorithm 1 exactly."""
+    ``dispatch[c][w]``: the fixed cost, in prefill tokens, that worker w adds once it computes a cold segment for
+    home c (``ClusterProfile.dispatch_s``), on top of its latency.
+    §7.2's estimate has per-token terms only; these terms are 0 unless given, which is Algorithm 1 exactly."""
 
     def __init__(self, to: Sequence[Sequence[float]], tier_cost: dict[Tier, float] | None = None,
-                 latency: Sequence[Sequence[float]] | None = None):
+                 latency: Sequence[Sequence[float]] | None = None,
+                 dispatch: Sequence[Sequence[float]] | None = None):
         self.to = [list(column) for column in to]
         self.tier_cost = {**{tier: math.inf for tier in Tier}, **(tier_cost or {}), Tier.DEVICE: 0.0}
         self.num_workers = len(self.to)
@@ -61,6 +64,11 @@ class TransferCosts:
         if any(self.latency[c][c] for c in range(self.num_workers)):
             raise ValueError("a worker has no latency to itself")
         self.latency_matrix = np.array(self.latency, dtype=np.float64).reshape(self.num_workers, self.num_workers)
+        self.dispatch = [list(column) for column in dispatch] if dispatch is not None else \
+            [[0.0] * self.num_workers for _ in range(self.num_workers)]
+        if any(self.dispatch[c][c] for c in range(self.num_workers)):
+            raise ValueError("a worker computing for itself has no dispatch cost")
+        self.dispatch_matrix = np.array(self.dispatch, dtype=np.float64).reshape(self.num_workers, self.num_workers)
 
     @classmethod
     def from_profile(cls, profile: ClusterProfile, num_workers: int) -> "TransferCosts":
@@ -68,7 +76,8 @@ class TransferCosts:
               for c in range(num_workers)]
         latency = [[profile.relative_transfer_latency(w, c) for w in range(num_workers)]
                    for c in range(num_workers)]
-        return cls(to, {tier: profile.tier_cost(tier) for tier in Tier}, latency)
+        dispatch = [[profile.relative_dispatch(w, c) for w in range(num_workers)] for c in range(num_workers)]
+        return cls(to, {tier: profile.tier_cost(tier) for tier in Tier}, latency, dispatch)
 
     def copy_cost(self, tier: Tier, src: int, home: int) -> float:
         """Per-token cost, in prefill tokens, of reading a copy on ``tier`` at ``src`` and moving it to ``home``."""
@@ -244,7 +253,8 @@ class GreedyPlanner:
         queue = np.array(problem.outstanding, dtype=np.float64)
         by_load = np.argsort(queue, kind="stable")
         tokens, extra = supplied_by_source(problem.hits, self.costs)
-        estimates, moved = self.kernel.plan_homes(self.costs.matrix, self.costs.latency_matrix, queue, by_load,
+        estimates, moved = self.kernel.plan_homes(self.costs.matrix, self.costs.latency_matrix,
+                                                  self.costs.dispatch_matrix, queue, by_load,
                                                   cold[order], tokens, extra)
         best = estimates.min()
         ties = np.flatnonzero(estimates == best).tolist()  # ascending home, as the Python path sorts
@@ -293,6 +303,7 @@ class GreedyPlanner:
         the maximum over the other workers only grows, so it is a lower bound on the result.
         """
         column, queue, latency = self.costs.to[home], problem.outstanding, self.costs.latency[home]
+        dispatch = self.costs.dispatch[home]
         fixed = fixed_transfer(summary, home, self.costs)
         home_fixed = fixed.get(home, 0.0)
         others = max((f for w, f in fixed.items() if w != home), default=0.0) if home in fixed \
@@ -315,7 +326,7 @@ class GreedyPlanner:
             after = mine + length
             d = column[worker]
             # inlined worker_time(queue[worker], after, d, fixed): this is the hot loop
-            target = queue[worker] + after + d * after + get_fixed(worker, latency[worker])
+            target = queue[worker] + after + d * after + get_fixed(worker, latency[worker]) + dispatch[worker]
             if target < home_time:
                 computed[worker] = after
                 moved[rank] = worker
@@ -331,7 +342,8 @@ class GreedyPlanner:
                 rank += 1
                 continue
             # Rejected: nothing changed, so skip every segment at least as long as the limit.
-            slack = home_time - worker_time(queue[worker], mine, d, get_fixed(worker, latency[worker]))
+            slack = home_time - (worker_time(queue[worker], mine, d, get_fixed(worker, latency[worker]))
+                                 + dispatch[worker])
             limit = slack / (1.0 + d)
             rank = bisect_right(negated, -(limit + abs(limit) * 1e-9 + 1e-9), rank + 1)
         moves = [(r, w) for r, w in enumerate(moved) if w != home]
@@ -350,7 +362,8 @@ def estimate(problem: PlanningProblem, home: int, cold_workers: Sequence[int],
         tier = next(t for w, t in hit.holders if w == src)
         grouped.setdefault(src, [0] * len(TIERS))[TIERS.index(tier)] += hit.num_tokens
     fixed = fixed_transfer(summarise(grouped, costs), home, costs)
-    latency = costs.latency[home]
+    latency, dispatch = costs.latency[home], costs.dispatch[home]
     terms = [worker_time(problem.outstanding[w] if computed[w] else 0.0, computed[w], column[w],
-                         fixed.get(w, latency[w] if computed[w] else 0.0)) for w in range(costs.num_workers)]
+                         fixed.get(w, latency[w] if computed[w] else 0.0)) + (dispatch[w] if computed[w] else 0.0)
+             for w in range(costs.num_workers)]
     return max(terms) + problem.combine_cost

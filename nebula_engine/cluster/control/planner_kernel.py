@@ -15,9 +15,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-# (rows of to, rows of latency, queue, homes by load, cold lengths longest first, tokens and extra per source)
-PLAN_HOMES_SIGNATURE = "Tuple((float64[::1], int64[:, ::1]))(float64[:, ::1], float64[:, ::1], float64[::1], " \
-                       "int64[::1], int64[::1], int64[:, ::1], float64[:, ::1])"
+# (rows of to, rows of latency, rows of dispatch, queue, homes by load, cold lengths longest first, tokens and extra
+# per source)
+PLAN_HOMES_SIGNATURE = "Tuple((float64[::1], int64[:, ::1]))(float64[:, ::1], float64[:, ::1], float64[:, ::1], " \
+                       "float64[::1], int64[::1], int64[::1], int64[:, ::1], float64[:, ::1])"
 
 
 @njit("boolean(float64, int64, float64, int64)", cache=True)
@@ -68,8 +69,8 @@ def _home_time(home_queue, remaining, home_fixed):
 
 
 @njit(cache=True)
-def _plan_home(home, column, queue, homes, lengths, fixed, sending, bound, computed, heap_loads, heap_workers,
-               moved):
+def _plan_home(home, column, dispatch, queue, homes, lengths, fixed, sending, bound, computed, heap_loads,
+               heap_workers, moved):
     """Greedy moves for one home, writing the worker of each cold segment (by rank) into ``moved``.
 
     Returns max_w T_w, or a value above ``bound`` (with ``moved`` incomplete) once the home cannot end
@@ -106,7 +107,7 @@ def _plan_home(home, column, queue, homes, lengths, fixed, sending, bound, compu
         mine = computed[worker]
         after = mine + length
         d = column[worker]
-        target = queue[worker] + after + d * after + fixed[worker]
+        target = queue[worker] + after + d * after + fixed[worker] + dispatch[worker]
         if target < home_time:
             computed[worker] = after
             moved[rank] = worker
@@ -122,19 +123,20 @@ def _plan_home(home, column, queue, homes, lengths, fixed, sending, bound, compu
             rank += 1
             continue
         # Rejected: nothing changed, so skip every segment at least as long as the limit.
-        slack = home_time - (queue[worker] + mine + d * mine + fixed[worker])
+        slack = home_time - ((queue[worker] + mine + d * mine + fixed[worker]) + dispatch[worker])
         limit = slack / (1.0 + d)
         rank = _first_shorter(lengths, limit + abs(limit) * 1e-9 + 1e-9, rank + 1)
     return others if others > home_time else home_time  # builtin max(home_time, others)
 
 
 @njit(PLAN_HOMES_SIGNATURE, cache=True)
-def plan_homes(to, latency, queue, homes, lengths, tokens, extra):
+def plan_homes(to, latency, dispatch, queue, homes, lengths, tokens, extra):
     """Run the greedy for every home, least loaded first, pruning against the best estimate so far.
 
     ``to[c, w]`` is d(w -> c); ``tokens[r, w]`` and ``extra[r, w]`` are what worker w supplies from
     cache and its slow-tier read cost, with one row per home (r = c) or a single row shared by all.
-    ``latency[c, w]`` is added to w's fixed cost: paid by a source, and by a worker once it computes for c.
+    ``latency[c, w]`` is added to w's fixed cost: paid by a source, and by a worker once it computes for c;
+    ``dispatch[c, w]`` is added to w's time once it computes for c.
     Returns per-home estimates (pruned homes: some value above the final best) and per-home cold
     assignments by rank, complete only for homes that were not pruned.
     """
@@ -155,8 +157,8 @@ def plan_homes(to, latency, queue, homes, lengths, tokens, extra):
             # that sends nothing from cache pays the latency once it computes for c (the Python path's default)
             sending[worker] = tokens[row, worker] != 0
             fixed[worker] = column[worker] * tokens[row, worker] + extra[row, worker] + latency[home, worker]
-        estimate = _plan_home(home, column, queue, homes, lengths, fixed, sending, best, computed, heap_loads,
-                              heap_workers, moved[home])
+        estimate = _plan_home(home, column, dispatch[home], queue, homes, lengths, fixed, sending, best, computed,
+                              heap_loads, heap_workers, moved[home])
         estimates[home] = estimate
         if estimate < best:
             best = estimate

@@ -15,12 +15,13 @@ PREFILL_FIXED_S = 0.01
 
 def measured_cluster_config(spec: ClusterSpec, kv: KVGeometry, prefill_per_token_s: float) -> ClusterConfig:
     """``ClusterProfile.load()`` with this engine's KV geometry and ``prefill_per_token_s`` (measured with
-    ``EngineClusterPort.prefill_seconds_per_token``); every link is loopback. A read's fixed cost (pin and insert
-    between engine steps) is the spec's ``remote_read_latency_s``, paid once per source (``TransferCosts.latency``)."""
+    ``EngineClusterPort.prefill_seconds_per_token``); every link is loopback. A read's fixed cost (the pin round
+    trip and the insert) is the spec's ``remote_read_latency_s``, paid once per source (``TransferCosts.latency``);
+    a segment scattered to another peer also pays its ``scatter_dispatch_s`` (``TransferCosts.dispatch``)."""
     base = ClusterProfile.load()
     loopback = TransferLink(bandwidth_bytes_per_s=LOOPBACK_BANDWIDTH_BYTES_PER_S, latency_s=spec.remote_read_latency_s)
     profile = replace(base, name="local-cpu", kv_bytes_per_token=max(1, kv.bytes_per_token), intra_node=loopback,
                       inter_node=loopback, gpus_per_node=len(spec.peers),
-                      cache_capacity_tokens=kv.num_pages * kv.page_size,
+                      cache_capacity_tokens=kv.num_pages * kv.page_size, dispatch_s=spec.scatter_dispatch_s,
                       prefill=replace(base.prefill, per_token_s=prefill_per_token_s, fixed_s=PREFILL_FIXED_S))
     return ClusterConfig(num_prefill_workers=len(spec.prefill_peers), profile=profile)

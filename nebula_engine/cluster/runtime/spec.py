@@ -55,14 +55,21 @@ class ClusterSpec:
     peers: tuple[PeerSpec, ...]
     policy: str = "nebula"
     etcd: str | None = None  # "host:port": etcd leases instead of the embedded Raft election
-    # the planner's fixed cost of reading KV from another peer, paid once per source: a pin served between two of
-    # the holder's engine steps and an insert between two of the reader's. 91 ms is the median from pin sent to
-    # segment stored, measured on the default compare (bench-qwen3, 4 one-thread peers on 2 cores; README)
-    remote_read_latency_s: float = 0.091
+    # the planner's fixed cost of reading KV from another peer, paid once per source: a pin round trip and the
+    # insert, both under the peers' cache locks (served while a step computes). 32 ms is the median from pin sent
+    # to segment stored for segments already cached on the holder, measured on the default compare with every
+    # read planned (bench-qwen3, 4 one-thread peers on 2 cores; README); it was 91 ms while pins waited for steps
+    remote_read_latency_s: float = 0.032
+    # the planner's fixed cost of scattering a cold segment to another peer, beyond its prefill and the read
+    # (ClusterProfile.dispatch_s): the holder finishes its step before it prefills, the reader's pin waits. 0.10 s
+    # is the median of (pin sent to segment stored) - (its predicted prefill) - remote_read_latency_s over the
+    # scattered segments of two default compares with every read planned (0.107 and 0.099 s; README)
+    scatter_dispatch_s: float = 0.10
 
     def __post_init__(self) -> None:
-        if not self.remote_read_latency_s >= 0:
-            raise ValueError(f"remote_read_latency_s must be >= 0, got {self.remote_read_latency_s}")
+        for name in ("remote_read_latency_s", "scatter_dispatch_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.policy not in POLICY_NAMES:
             raise ValueError(f"unknown cluster policy {self.policy!r}; choose from {POLICY_NAMES}")
         if not any(p.role == "prefill" for p in self.peers):
@@ -91,13 +98,14 @@ class ClusterSpec:
 
     def to_json(self) -> str:
         return json.dumps({"policy": self.policy, "etcd": self.etcd, "remote_read_latency_s": self.remote_read_latency_s,
-                           "peers": [asdict(p) for p in self.peers]})
+                           "scatter_dispatch_s": self.scatter_dispatch_s, "peers": [asdict(p) for p in self.peers]})
 
     @classmethod
     def from_json(cls, text: str) -> ClusterSpec:
         data = json.loads(text)
         return cls(tuple(PeerSpec(**p) for p in data["peers"]), data.get("policy", "nebula"), data.get("etcd"),
-                   data.get("remote_read_latency_s", cls.remote_read_latency_s))
+                   data.get("remote_read_latency_s", cls.remote_read_latency_s),
+                   data.get("scatter_dispatch_s", cls.scatter_dispatch_s))
 
 
 @dataclass(frozen=True)

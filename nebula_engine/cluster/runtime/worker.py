@@ -434,6 +434,7 @@ class WorkerService:
             await self.engine.unpin_prefix(pin)
 
     async def on_pin(self, msg: wire.PinSegment) -> None:
+        start = time.monotonic()
         pin = await self.engine.pin_segment(msg.key, msg.num_tokens)
         if pin is None and msg.wait_s > 0 and msg.key in self._computing:  # a task here is computing it
             try:
@@ -447,6 +448,7 @@ class WorkerService:
         self._pinned.setdefault(msg.key, []).append(pin)
         self.send(msg.sender, wire.PinReply(sender=self.name, tag=msg.tag, ok=True, pages=list(pin.pages),
                                             state=_state_bytes(pin.state)))
+        logger.debug("pinned %s for %s in %.4f s", msg.key, msg.sender, time.monotonic() - start)
 
     def _abandon_pin(self, tag: str, unpin: wire.Msg) -> None:
         self._abandoned_pins[tag] = unpin
