@@ -99,6 +99,48 @@ def test_a_segment_is_pinned_while_a_step_computes(port, engine, monkeypatch):
     assert pin is not None and outcome == {"pinned during the forward": True}
 
 
+def test_a_segment_is_pinned_while_a_combine_computes(port, engine, monkeypatch):
+    """A PIC combine lets go of the cache lock for its forward too: a pin waits for neither."""
+    from nebula_engine.pic.segments import PromptSegment, SegmentedPrompt, SegmentKind
+
+    held, reused = segment(600), segment(706, 24)
+    key = port.segment_key("epic", held)
+    run(port.prefill_segment("epic", held))
+    run(port.prefill_segment("epic", reused))  # the request's segment is cached: its one forward is the combine
+    model = engine.engine.model_runner.model
+    run_layers = model.run_layers
+    in_combine, pinned = threading.Event(), threading.Event()
+    outcome = {}
+
+    def blocking_run_layers(*args):
+        in_combine.set()
+        outcome.setdefault("pinned during the combine", pinned.wait(timeout=60))
+        return run_layers(*args)
+
+    monkeypatch.setattr(model, "run_layers", blocking_run_layers)
+    prompt = SegmentedPrompt(tuple(range(700, 742)), (PromptSegment(SegmentKind.REGULAR, 0, 6),
+                                                      PromptSegment(SegmentKind.PIC, 6, 24),
+                                                      PromptSegment(SegmentKind.REGULAR, 30, 12)))
+
+    async def combine_and_pin():
+        async def request():
+            async for output in engine.generate("pinned-mid-combine", prompt, SamplingParams(max_tokens=1), "epic"):
+                last = output
+            return last
+
+        running = asyncio.ensure_future(request())
+        assert await asyncio.to_thread(in_combine.wait, 60)
+        pin = await port.pin_segment(key, len(held))
+        pinned.set()
+        output = await running
+        await port.unpin_segment(pin)
+        return pin, output
+
+    pin, output = run(combine_and_pin())
+    assert pin is not None and outcome == {"pinned during the combine": True}
+    assert output.num_pic_cached_tokens > 0  # it was a combine over the cached segment
+
+
 def test_a_pinned_segment_copied_into_fresh_pages_is_found_under_its_key_on_the_reader(port):
     ids = segment(200)
     key, copy_key = port.segment_key("epic", ids), "copied-" + port.segment_key("epic", ids)

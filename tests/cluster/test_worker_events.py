@@ -37,6 +37,7 @@ def test_pic_events_reach_the_router_unchanged_but_numbered_in_the_workers_seque
                                MoveEvent(2, 3, PIC, ("doc",), 8, Tier.DEVICE, Tier.DISK),
                                EvictEvent(2, 4, PIC, ("doc",), 8, Tier.DISK)]
     assert wire.decode(wire.encode(message)) == message
+    assert worker.evictions == {"pc": 0, "pic": 1}  # left the device once (the disk tier's eviction is not one)
 
 
 def test_pc_pages_are_reported_only_as_the_loss_of_the_prompt_segments_they_end():

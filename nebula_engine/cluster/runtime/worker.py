@@ -107,6 +107,16 @@ def _state_bytes(state: dict) -> bytes:
     return buffer.getvalue()
 
 
+async def _encode_state(state: dict) -> bytes:
+    """``_state_bytes`` off the event loop when there is anything to encode (a hybrid's state is megabytes)."""
+    return await asyncio.to_thread(_state_bytes, state) if state else b""
+
+
+async def _decode_state(data: bytes) -> dict:
+    """``_state_from_bytes`` off the event loop when there is anything to decode."""
+    return await asyncio.to_thread(_state_from_bytes, data) if data else {}
+
+
 def _state_from_bytes(data: bytes) -> dict:
     """Inverse of ``_state_bytes``; ValueError for bytes that are not a saved dict (nothing else is loaded)."""
     if not data:
@@ -145,7 +155,7 @@ class WorkerService:
         self._next_seq = 1  # sequence number of the next event reported to the router (cache events and task done)
         self.transfer_bytes = 0
         self.transfer_failures = 0
-        self.evictions = {"pc": 0, "pic": 0}  # device evictions (and demotions) seen in the cache events
+        self.evictions = {"pc": 0, "pic": 0}  # entries that left the device (dropped or demoted), from the events
 
     # ---- router commands ----
     def _start_computing(self, keys: list[str]) -> None:
@@ -275,7 +285,7 @@ class WorkerService:
             sender=self.name, request_id=msg.request_id, attempt=msg.attempt, frontend=msg.frontend,
             prompt_token_ids=list(first.prompt_token_ids), first_token=completion.token_ids[0],
             first_logprob=completion.token_logprobs[0], params=msg.params, pages=pages,
-            cached=list(first_wire.cached), state=_state_bytes(state)))
+            cached=list(first_wire.cached), state=await _encode_state(state)))
         try:
             outcome = await self._unless_dead(handoff_done, msg.decode_peer, HANDOFF_TIMEOUT_S)
         finally:
@@ -372,7 +382,7 @@ class WorkerService:
             await self._release(pages)
             return False
         try:
-            state = _state_from_bytes(reply.state)
+            state = await _decode_state(reply.state)
         except ValueError as error:
             self.transfer_failures += 1
             logger.warning("the state of %s from %s is unreadable (%s): it will be recomputed", source.key,
@@ -445,9 +455,16 @@ class WorkerService:
         if pin is None:
             self.send(msg.sender, wire.PinReply(sender=self.name, tag=msg.tag, ok=False, pages=[], state=b""))
             return
+        try:
+            state = await _encode_state(pin.state)
+        except Exception:
+            logger.exception("the state of %s could not be encoded: refusing the pin", msg.key)
+            await self.engine.unpin_segment(pin)
+            self.send(msg.sender, wire.PinReply(sender=self.name, tag=msg.tag, ok=False, pages=[], state=b""))
+            return
         self._pinned.setdefault(msg.key, []).append(pin)
         self.send(msg.sender, wire.PinReply(sender=self.name, tag=msg.tag, ok=True, pages=list(pin.pages),
-                                            state=_state_bytes(pin.state)))
+                                            state=state))
         logger.debug("pinned %s for %s in %.4f s", msg.key, msg.sender, time.monotonic() - start)
 
     def _abandon_pin(self, tag: str, unpin: wire.Msg) -> None:
@@ -482,7 +499,7 @@ class WorkerService:
         engine_id = engine_request_id(msg.request_id, msg.attempt)
         try:
             try:
-                state = _state_from_bytes(msg.state)
+                state = await _decode_state(msg.state)
                 pages = await self.engine.reserve_prefilled(engine_id, len(prompt))
                 moved = await asyncio.to_thread(self.agent.read_pages, msg.sender, msg.pages[:len(pages)], pages,
                                                 TRANSFER_TIMEOUT_S)
@@ -575,7 +592,8 @@ class WorkerService:
     def _for_router(self, event: CacheEvent) -> list[CacheEvent]:
         """What the router hears of one engine event: a PIC event as it is; of a PC page event only the loss of
         the prompt segments whose last page it takes off the device (PC stores are reported by ``_pc_events``)."""
-        if isinstance(event, EvictEvent) or (isinstance(event, MoveEvent) and event.src is Tier.DEVICE):
+        if (event.tier if isinstance(event, EvictEvent) else event.src if isinstance(event, MoveEvent) else None) \
+                is Tier.DEVICE:
             self.evictions[event.kind.value] += len(event.keys)
         if event.kind is CacheKind.PIC:
             return [event]
