@@ -56,10 +56,11 @@ class ClusterSpec:
     policy: str = "nebula"
     etcd: str | None = None  # "host:port": etcd leases instead of the embedded Raft election
     # the planner's fixed cost of reading KV from another peer, paid once per source: a pin round trip and the
-    # insert, both under the peers' cache locks (served while a step computes). 32 ms is the median from pin sent
-    # to segment stored for segments already cached on the holder, measured on the default compare with every
-    # read planned (bench-qwen3, 4 one-thread peers on 2 cores; README); it was 91 ms while pins waited for steps
-    remote_read_latency_s: float = 0.032
+    # insert, both under the peers' cache locks (served while a step computes). 51 ms is the median from pin sent
+    # to segment stored for segments already cached on the holder, measured on the default compare (bench-qwen3,
+    # 4 one-thread peers on 2 cores, three policies; README); it was 91 ms while pins waited for steps (32 ms with
+    # the nebula cluster alone on the machine)
+    remote_read_latency_s: float = 0.051
     # the planner's fixed cost of scattering a cold segment to another peer, beyond its prefill and the read
     # (ClusterProfile.dispatch_s): the holder finishes its step before it prefills, the reader's pin waits. 0.10 s
     # is the median of (pin sent to segment stored) - (its predicted prefill) - remote_read_latency_s over the
