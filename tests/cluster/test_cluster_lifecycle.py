@@ -148,6 +148,11 @@ class Stream:
         self.usage = chunk.get("usage") or self.usage
 
 
+# long enough that a stream is still decoding when its peer is killed (the kill follows its 3rd piece at once; the
+# test asserts none ended before it), short enough not to spend CI minutes decoding
+LONG_TOKENS = 400
+
+
 def wait_streaming(streams: list[Stream], pieces: int, cluster: LocalCluster) -> None:
     cluster.wait_until(lambda: all(len(s.pieces) >= pieces or s.done.is_set() for s in streams), 120,
                        f"every stream to show {pieces} pieces")
@@ -157,7 +162,7 @@ def test_requests_survive_losing_their_decode_peer(model_dir, tmp_path):
     """Requests decoding on decode-0 when it is killed continue elsewhere from the tokens they streamed. Then, for
     ~3 s after it died, the router still picks decode-0: new requests it hands off there are run again too."""
     with LocalCluster(model_dir, local_spec(2, 2), ENGINE, log_dir=tmp_path / "logs") as cluster:
-        long = [completion(model_dir, rag_segments([81 + i] * 8, documents(300 + i, 2), [82]), max_tokens=1200)
+        long = [completion(model_dir, rag_segments([81 + i] * 8, documents(300 + i, 2), [82]), max_tokens=LONG_TOKENS)
                 for i in range(3)]
         streams = [Stream(cluster.urls["prefill-1"], body).start() for body in long]
         wait_streaming(streams, 3, cluster)
@@ -174,7 +179,7 @@ def test_requests_survive_losing_their_decode_peer(model_dir, tmp_path):
         assert all(body["usage"]["completion_tokens"] == 5 for _, body in results)
         for stream in streams:
             assert stream.error is None and stream.finish_reason == "length", stream
-            assert stream.usage["completion_tokens"] == 1200  # counted over every attempt: none lost or doubled
+            assert stream.usage["completion_tokens"] == LONG_TOKENS  # counted over every attempt: none lost or doubled
         assert cluster.state("prefill-1")["resubmitted"] >= 3
 
 
