@@ -154,12 +154,20 @@ def costs_with_latency(rng: random.Random, workers: int) -> TransferCosts:
     return TransferCosts(costs.to, {Tier.HOST: costs.tier_cost[Tier.HOST]}, latency)
 
 
+def costs_with_dispatch(rng: random.Random, workers: int) -> TransferCosts:
+    costs = costs_with_latency(rng, workers)
+    dispatch = [[0.0 if w == c else rng.choice([0.0, 10.0, 60.0, rng.random() * 200]) for w in range(workers)]
+                for c in range(workers)]
+    return TransferCosts(costs.to, {Tier.HOST: costs.tier_cost[Tier.HOST]}, costs.latency, dispatch)
+
+
 @pytest.mark.parametrize("compiled", [None, False])
 @pytest.mark.parametrize("seed", range(200))
-def test_both_loops_match_literal_algorithm_1_with_link_latency(seed, compiled):
+@pytest.mark.parametrize("fixed_costs", [costs_with_latency, costs_with_dispatch])
+def test_both_loops_match_literal_algorithm_1_with_latency_and_dispatch(fixed_costs, seed, compiled):
     rng = random.Random(seed)
     workers = rng.randint(1, 6)
-    costs = costs_with_latency(rng, workers)
+    costs = fixed_costs(rng, workers)
     problem = random_problem(rng, workers, rng.randint(0, 14))
     assert GreedyPlanner(costs, seed, compiled=compiled).plan(problem) == \
         reference_plan(problem, costs, random.Random(seed))
@@ -177,24 +185,6 @@ def test_link_latency_keeps_short_segments_at_the_home_and_still_spreads_long_on
     hit = PlanningProblem((Hit(20, ((1, Tier.DEVICE),)),), (200,), (0.0, 0.0), 0.0)
     costs = TransferCosts([[0.0, 0.01], [0.01, 0.0]], latency=[[0.0, 40.0], [40.0, 0.0]])
     assert estimate(hit, 0, [0], [1], costs) == max(200, 0.01 * 20 + 40.0)
-
-
-def costs_with_dispatch(rng: random.Random, workers: int) -> TransferCosts:
-    costs = costs_with_latency(rng, workers)
-    dispatch = [[0.0 if w == c else rng.choice([0.0, 10.0, 60.0, rng.random() * 200]) for w in range(workers)]
-                for c in range(workers)]
-    return TransferCosts(costs.to, {Tier.HOST: costs.tier_cost[Tier.HOST]}, costs.latency, dispatch)
-
-
-@pytest.mark.parametrize("compiled", [None, False])
-@pytest.mark.parametrize("seed", range(100))
-def test_both_loops_match_literal_algorithm_1_with_latency_and_dispatch(seed, compiled):
-    rng = random.Random(seed)
-    workers = rng.randint(1, 6)
-    costs = costs_with_dispatch(rng, workers)
-    problem = random_problem(rng, workers, rng.randint(0, 14))
-    assert GreedyPlanner(costs, seed, compiled=compiled).plan(problem) == \
-        reference_plan(problem, costs, random.Random(seed))
 
 
 def test_dispatch_is_paid_by_a_worker_computing_for_another_home_not_by_a_source():
