@@ -190,22 +190,18 @@ class EngineClusterPort:
         await self._call(prefill)
 
     async def prefill_missing_segments(self, backend_spec, segments: list[list[int]]) -> list[bool]:
-        """Prefill together the segments the device's PIC store lacks; per segment, True when it lacked it and
-        holds it now. All False for a request without PIC."""
+        """Prefill together the segments the PIC store lacks; per segment, True when this call prefilled it (one
+        found on the device or promoted from a lower tier existed before: False). All False for a request without
+        PIC."""
         def prefill(engine: LLMEngine) -> list[bool]:
             backend = engine.resolve_request_backend(backend_spec)
             if backend is None:
                 return [False] * len(segments)
-            executor = engine.model_runner.pic_executor
-            missing = [i for i, ids in enumerate(segments)
-                       if engine.cache_store.pic.lookup(executor.segment_key(backend, ids)) is None]
-            entries = executor.lookup_or_prefill_many(backend, [segments[i] for i in missing])
-            made = [False] * len(segments)
-            for index, entry in zip(missing, entries):
+            entries, created = engine.model_runner.pic_executor.lookup_or_prefill_many(backend, segments)
+            for entry in entries:
                 if entry is not None:
                     engine.cache_store.pic.unlock(entry)
-                    made[index] = True
-            return made
+            return [entry is not None and made for entry, made in zip(entries, created)]
 
         return await self._call(prefill)
 

@@ -123,13 +123,15 @@ class PICExecutor:
         """The segment's store entry, locked: found (maybe promoted from a lower tier) or prefilled now behind
         ``context_ids`` (None: the backend's context for a segment that starts the prompt). None when it is cold
         and the pool has no room for it."""
-        return self.lookup_or_prefill_many(backend, [token_ids], context_ids)[0]
+        return self.lookup_or_prefill_many(backend, [token_ids], context_ids)[0][0]
 
-    def lookup_or_prefill_many(self, backend: PICBackend, segments: list, context_ids=None) -> list[PICEntry | None]:
-        """``lookup_or_prefill`` for several segments behind the same context; the cold ones are prefilled
+    def lookup_or_prefill_many(self, backend: PICBackend, segments: list, context_ids=None
+                               ) -> tuple[list[PICEntry | None], list[bool]]:
+        """``lookup_or_prefill`` for several segments behind the same context, and per segment whether this call
+        prefilled it (found on the device or promoted from a lower tier: not); the cold ones are prefilled
         together (one forward when the backend batches them). A segment repeated in ``segments`` is prefilled
         once."""
-        return self._lookup_or_prefill(backend, segments, self._context(backend, context_ids))[0]
+        return self._lookup_or_prefill(backend, segments, self._context(backend, context_ids))
 
     def _context(self, backend: PICBackend, context_ids) -> tuple[int, ...]:
         """``context_ids`` as a tuple; None: the backend's context for a segment that starts the prompt."""
