@@ -3,12 +3,12 @@
 Invariants:
 - The loop thread is the only thread that calls into the engine's scheduler and requests (``add_admitted``,
   ``abort_request``, ``step``, and whatever a ``call`` runs there between two steps). The KV cache alone is
-  shared: a ``call_cache`` runs on a worker thread under the engine's ``cache_lock``, which the loop thread holds
-  for everything it does but the batch's forward. Other threads only read what ``LLMEngine.__init__`` fixed:
-  ``admit``, ``resolve_request_backend`` and ``segment_key`` (pure functions of the model and config),
-  ``max_model_len``, ``tokenizer``, the KV pool's geometry and tensors, and the thread-safe grammar compiler's
-  cache. A cluster peer's worker reaches the engine only through ``engine.cluster_port.EngineClusterPort``,
-  which follows these rules.
+  shared: a ``call_cache`` runs on a thread of its own under the engine's ``cache_lock``, which the loop thread
+  holds for everything it does but a step's forward passes (``kvcache.cache_lock``). Other threads only read what
+  ``LLMEngine.__init__`` fixed: ``admit``, ``resolve_request_backend`` and ``segment_key`` (pure functions of
+  the model and config), ``max_model_len``, ``tokenizer``, the KV pool's geometry and tensors, and the
+  thread-safe grammar compiler's cache. A cluster peer's worker reaches the engine only through
+  ``engine.cluster_port.EngineClusterPort``, which follows these rules.
 - A request is admitted (``admission.admit``) in ``generate``, on the caller's side, before it is queued; the
   loop thread adds it as admitted.
 - Callers hand commands over through a deque guarded by a condition variable; the loop thread sleeps on it

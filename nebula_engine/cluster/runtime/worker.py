@@ -592,8 +592,9 @@ class WorkerService:
     def _for_router(self, event: CacheEvent) -> list[CacheEvent]:
         """What the router hears of one engine event: a PIC event as it is; of a PC page event only the loss of
         the prompt segments whose last page it takes off the device (PC stores are reported by ``_pc_events``)."""
-        if (event.tier if isinstance(event, EvictEvent) else event.src if isinstance(event, MoveEvent) else None) \
-                is Tier.DEVICE:
+        left_device = ((isinstance(event, EvictEvent) and event.tier is Tier.DEVICE)
+                       or (isinstance(event, MoveEvent) and event.src is Tier.DEVICE))
+        if left_device:
             self.evictions[event.kind.value] += len(event.keys)
         if event.kind is CacheKind.PIC:
             return [event]
