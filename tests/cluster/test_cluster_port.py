@@ -171,6 +171,29 @@ def test_only_missing_segments_are_prefilled(port):
     assert run(port.prefill_missing_segments(None, [segment(500)])) == [False]  # no PIC: nothing to prefill
 
 
+def test_a_segment_promoted_from_the_host_tier_is_not_reported_as_prefilled(checkpoint_factory):
+    """It existed before the request (on a lower tier), so it is a hit, not a segment made for the request."""
+    from nebula_engine.config import EngineConfig
+    from nebula_engine.engine.async_engine import AsyncLLMEngine
+    from tests.model_cases import CASES_BY_NAME
+
+    model = checkpoint_factory(CASES_BY_NAME["qwen3_gqa2_hd20"])
+    tiered = AsyncLLMEngine.from_config(EngineConfig.create(str(model), page_size=PAGE, num_pages=64,
+                                                            host_cache_tokens=256))
+    try:
+        tiered_port = EngineClusterPort(tiered)
+        demoted, cold = segment(300), segment(400)
+        run(tiered_port.prefill_segment("epic", demoted))
+        assert run(tiered.call(lambda e: e.cache_store.evict_all())) >= 1  # down to the host tier
+        drained = run(tiered_port.drain_cache_events(snapshot=True))
+        assert (tiered_port.segment_key("epic", demoted), len(demoted), Tier.HOST) in drained.pic_entries
+        assert run(tiered_port.prefill_missing_segments("epic", [demoted, cold])) == [False, True]
+        drained = run(tiered_port.drain_cache_events(snapshot=True))
+        assert (tiered_port.segment_key("epic", demoted), len(demoted), Tier.DEVICE) in drained.pic_entries
+    finally:
+        tiered.shutdown()
+
+
 def test_a_pinned_prefix_copied_into_fresh_pages_is_a_prefix_hit_on_the_reader(port, engine):
     prompt, other = segment(600, 5 * PAGE), segment(700, 5 * PAGE)
 
