@@ -1,6 +1,6 @@
-"""Compare cluster policies on this machine: for each of ``pc``, ``local-pic`` and ``nebula``, start a real local
-cluster (one process per peer), replay the same workload slice at the same Poisson rate through its HTTP API,
-and report TTFT percentiles and cache hit ratio, as ratios against ``pc``.
+"""Compare cluster policies on this machine: for each of ``pc``, ``local-pic`` and ``nebula`` (or those named with
+``--policy``), start a real local cluster (one process per peer), replay the same workload slice at the same
+Poisson rate through its HTTP API, and report TTFT percentiles and cache hit ratio, as ratios against ``pc``.
 
 Every policy runs with the same settings (peers, threads, KV pool, slice, arrivals). Writes ``compare.json``
 (options, the slice's reuse bound, one row per policy with its TTFTs) and ``compare.png`` (TTFT CDFs and hit

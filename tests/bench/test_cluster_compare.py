@@ -53,3 +53,18 @@ def test_a_reduced_compare_runs_every_policy_and_writes_its_json_and_png(checkpo
         assert f"{policy:<10} 8/8 requests in" in result.output
     assert "CHR: cache hit ratio" in result.output and "reuse bound" in result.output
     assert str(out / "compare.png") in result.output and str(out / "logs") in result.output
+
+
+def test_an_unknown_policy_is_a_usage_error_before_any_cluster_starts(tmp_path):
+    result = CliRunner().invoke(compare_command, ["--policy", "fastest", "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "fastest" in result.output and "nebula" in result.output
+    assert not (tmp_path / "logs").exists()
+
+
+def test_the_table_compares_with_the_first_policy_when_pc_did_not_run():
+    from nebula_engine.bench.cluster_compare import format_table
+
+    rows = [{"policy": policy, "ttft_p50_s": p50, "ttft_p99_s": 2 * p50, "cache_hit_ratio": 0.3, "failed": 0,
+             "transfer_bytes": 0} for policy, p50 in (("local-pic", 0.2), ("nebula", 0.1))]
+    nebula_line = next(line for line in format_table(rows).splitlines() if line.startswith("nebula"))
+    assert "0.50" in nebula_line.split()  # p50 ratio against local-pic
