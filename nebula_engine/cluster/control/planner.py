@@ -59,16 +59,19 @@ class TransferCosts:
         self.tier_cost = {**{tier: math.inf for tier in Tier}, **(tier_cost or {}), Tier.DEVICE: 0.0}
         self.num_workers = len(self.to)
         self.matrix = np.array(self.to, dtype=np.float64).reshape(self.num_workers, self.num_workers)
-        self.latency = [list(column) for column in latency] if latency is not None else \
-            [[0.0] * self.num_workers for _ in range(self.num_workers)]
-        if any(self.latency[c][c] for c in range(self.num_workers)):
-            raise ValueError("a worker has no latency to itself")
-        self.latency_matrix = np.array(self.latency, dtype=np.float64).reshape(self.num_workers, self.num_workers)
-        self.dispatch = [list(column) for column in dispatch] if dispatch is not None else \
-            [[0.0] * self.num_workers for _ in range(self.num_workers)]
-        if any(self.dispatch[c][c] for c in range(self.num_workers)):
-            raise ValueError("a worker computing for itself has no dispatch cost")
-        self.dispatch_matrix = np.array(self.dispatch, dtype=np.float64).reshape(self.num_workers, self.num_workers)
+        self.latency, self.latency_matrix = self._fixed_costs(latency, "a worker has no latency to itself")
+        self.dispatch, self.dispatch_matrix = self._fixed_costs(
+            dispatch, "a worker computing for itself has no dispatch cost")
+
+    def _fixed_costs(self, costs: Sequence[Sequence[float]] | None, on_diagonal: str
+                     ) -> tuple[list[list[float]], np.ndarray]:
+        """``costs[c][w]`` as lists and as the compiled planner's array (all 0 when None); ValueError
+        ``on_diagonal`` when a worker would pay one to itself."""
+        n = self.num_workers
+        rows = [list(column) for column in costs] if costs is not None else [[0.0] * n for _ in range(n)]
+        if any(rows[c][c] for c in range(n)):
+            raise ValueError(on_diagonal)
+        return rows, np.array(rows, dtype=np.float64).reshape(n, n)
 
     @classmethod
     def from_profile(cls, profile: ClusterProfile, num_workers: int) -> "TransferCosts":
