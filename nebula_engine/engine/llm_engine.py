@@ -53,7 +53,7 @@ class LLMEngine:
         kv_cache = build_kv_cache(config.cache, groups, num_pages, num_state_slots, config.device, self._model_id(),
                                   with_pic=self.pic_backend is not None)
         self.cache_store = kv_cache.cache_store  # None: prefix caching and PIC both off
-        # held by whoever changes the cache; ``step`` lets go of it during the batch's forward (``CacheLock``)
+        # held by whoever changes the cache; ``step`` lets go of it during its forward passes (``CacheLock``)
         self.cache_lock = CacheLock()
         self.scheduler = Scheduler(config.scheduler, kv_cache.manager, kv_cache.prefix_cache)
         self.model_runner = self._model_runner(model, kv_cache, eos_token_ids)
@@ -252,7 +252,7 @@ class LLMEngine:
         got a token in it, ``finished`` set on those that stopped. A request whose own work failed in this step
         (``ModelRunnerOutput.failed``, or its output processing) is aborted and returned finished with ``error``
         set; the others go on. An exception out of ``step`` is the engine's, not one request's. Holds
-        ``cache_lock`` but during the batch's forward."""
+        ``cache_lock`` except during its forward passes (the batch's, a PIC combine's, a segment prefill's)."""
         with self.cache_lock:
             return self._step()
 

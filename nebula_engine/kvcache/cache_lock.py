@@ -3,9 +3,9 @@
 The engine thread holds it for a whole step except the model's forward passes over already scheduled pages
 (``released``). Another thread that takes it (a cluster peer pinning a segment for a reader, or storing one it
 read) therefore gets in while the engine computes, instead of waiting for the step to end; what it finds is
-never half-changed, and the pages the forward reads and writes belong to running requests, which no cache
-operation frees or evicts. Taken by a thread that holds nothing (an offline ``LLMEngine.step``), ``released``
-does nothing.
+never half-changed, and the pages the forward reads and writes belong to running requests (or to the PIC
+executor, until it stores them), which no cache operation frees or evicts. Called by a thread that does not hold
+the lock (offline prefill driving the PIC executor directly), ``released`` does nothing.
 """
 
 from __future__ import annotations
