@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from nebula_engine.kernels.attention import AttentionContext
+from nebula_engine.kernels.cpu_linear import Linear
 from nebula_engine.kvcache.spec import KVCacheGroupSpec, full_attention_groups
 from nebula_engine.model.config import ModelConfig
 from nebula_engine.model.gated_deltanet import GatedDeltaNet
@@ -55,7 +56,7 @@ class CausalLM(nn.Module, ABC):
         super().__init__()
         self.config = config
         self.model = DecoderStack(config, [self.make_layer(i) for i in range(config.num_hidden_layers)])
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nebula_engine.kernels.cpu_linear import Linear
 from nebula_engine.kvcache.spec import KVCacheGroupSpec
 from nebula_engine.model.base import CausalLM
 from nebula_engine.model.config import ModelConfig
@@ -67,7 +68,7 @@ class DeepseekMoE(nn.Module):
     def __init__(self, hidden_size: int, moe: DeepseekMoEConfig):
         super().__init__()
         self.moe = moe
-        self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)
+        self.gate = Linear(hidden_size, moe.num_experts, bias=False)
         self.experts = StackedExperts(moe.num_experts, hidden_size, moe.intermediate_size)
         if moe.num_shared_experts:
             self.shared_experts = GatedMLP(hidden_size, moe.intermediate_size * moe.num_shared_experts)

@@ -21,6 +21,7 @@ from torch import nn
 
 from nebula_engine.kernels.gated_delta_rule import (chunk_gated_delta_rule, gated_delta_step,
                                                    recurrent_gated_delta_rule)
+from nebula_engine.kernels.cpu_linear import Linear
 from nebula_engine.kernels.pic_ops import gated_delta_transition
 from nebula_engine.kvcache.spec import LinearStateSpec
 
@@ -85,16 +86,16 @@ class GatedDeltaNet(nn.Module):
         super().__init__()
         self.cfg, self.linear_layer_idx, self.chunk_size = cfg, linear_layer_idx, chunk_size
         value_dim = cfg.num_v_heads * cfg.head_v_dim
-        self.in_proj_qkv = nn.Linear(cfg.hidden_size, cfg.conv_channels, bias=False)
-        self.in_proj_z = nn.Linear(cfg.hidden_size, value_dim, bias=False)
-        self.in_proj_b = nn.Linear(cfg.hidden_size, cfg.num_v_heads, bias=False)
-        self.in_proj_a = nn.Linear(cfg.hidden_size, cfg.num_v_heads, bias=False)
+        self.in_proj_qkv = Linear(cfg.hidden_size, cfg.conv_channels, bias=False)
+        self.in_proj_z = Linear(cfg.hidden_size, value_dim, bias=False)
+        self.in_proj_b = Linear(cfg.hidden_size, cfg.num_v_heads, bias=False)
+        self.in_proj_a = Linear(cfg.hidden_size, cfg.num_v_heads, bias=False)
         self.conv1d = nn.Conv1d(cfg.conv_channels, cfg.conv_channels, cfg.conv_kernel, groups=cfg.conv_channels,
                                 bias=False)
         self.dt_bias = nn.Parameter(torch.ones(cfg.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(cfg.num_v_heads))
         self.norm = GatedRMSNorm(cfg.head_v_dim, cfg.eps)
-        self.out_proj = nn.Linear(value_dim, cfg.hidden_size, bias=False)
+        self.out_proj = Linear(value_dim, cfg.hidden_size, bias=False)
 
     def empty_state(self, dtype: torch.dtype | None = None) -> LinearAttentionState:
         cfg, weight = self.cfg, self.conv1d.weight

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nebula_engine.kernels.attention import AttentionContext
+from nebula_engine.kernels.cpu_linear import Linear, linear
 from nebula_engine.model.config import ModelConfig
 from nebula_engine.model.rotary import RotaryEmbedding
 
@@ -24,18 +25,18 @@ def fuse_linear_weights(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor
     with one kernel launch instead of one per projection (what vLLM's ``QKVParallelLinear`` and
     ``MergedColumnParallelLinear`` do).
     """
-    weight = torch.cat([linear.weight for linear in linears])
-    has_bias = [linear.bias is not None for linear in linears]
+    weight = torch.cat([child.weight for child in linears])
+    has_bias = [child.bias is not None for child in linears]
     if any(has_bias) and not all(has_bias):
         raise ValueError("fused projections must all have a bias or all have none")
-    bias = torch.cat([linear.bias for linear in linears]) if all(has_bias) else None
+    bias = torch.cat([child.bias for child in linears]) if all(has_bias) else None
     start = 0
-    for linear in linears:
-        rows = slice(start, start + linear.out_features)
-        linear.weight = nn.Parameter(weight[rows], requires_grad=linear.weight.requires_grad)
+    for child in linears:
+        rows = slice(start, start + child.out_features)
+        child.weight = nn.Parameter(weight[rows], requires_grad=child.weight.requires_grad)
         if bias is not None:
-            linear.bias = nn.Parameter(bias[rows], requires_grad=linear.bias.requires_grad)
-        start += linear.out_features
+            child.bias = nn.Parameter(bias[rows], requires_grad=child.bias.requires_grad)
+        start += child.out_features
     return weight, bias
 
 
@@ -110,10 +111,10 @@ class RopeAttention(FusedProjections):
         self.output_gate = output_gate
         bias = config.attention_bias
         q_width = self.num_heads * self.head_dim * (2 if output_gate else 1)
-        self.q_proj = nn.Linear(config.hidden_size, q_width, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_proj = Linear(config.hidden_size, q_width, bias=bias)
+        self.k_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
         self.qk_norm = qk_norm
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, zero_centered_norm)
@@ -123,7 +124,7 @@ class RopeAttention(FusedProjections):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, attn_ctx: AttentionContext) -> torch.Tensor:
         tokens, heads, kv_heads, dim = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = linear(x, self.qkv_weight, self.qkv_bias)
         q_width = self.q_proj.out_features
         v = qkv[:, q_width + kv_heads * dim:].view(tokens, kv_heads, dim)  # [T, Hkv, D]
         cos, sin = attn_ctx.rope_cos_sin(self.rotary, positions)
@@ -154,9 +155,9 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -206,7 +207,7 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.top_k = top_k
         self.renormalize = renormalize
-        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.gate = Linear(hidden_size, num_experts, bias=False)
         self.experts = StackedExperts(num_experts, hidden_size, intermediate_size)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -227,7 +228,7 @@ class SharedExpertMoE(SparseMoE):
                  shared_intermediate_size: int):
         super().__init__(hidden_size, num_experts, top_k, intermediate_size, renormalize)
         self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size)
-        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+        self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x) + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from nebula_engine.kernels.attention import AttentionContext
+from nebula_engine.kernels.cpu_linear import Linear
 from nebula_engine.kernels.mla_attention import MLAParams
 from nebula_engine.kvcache.spec import MLALatentSpec
 from nebula_engine.model.config import ModelConfig, RopeConfig
@@ -70,16 +71,16 @@ class MLAttention(nn.Module):
         self.attn_layer_idx = attn_layer_idx
         hidden, bias, eps = config.hidden_size, config.attention_bias, config.rms_norm_eps
         if mla.q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden, mla.num_heads * mla.qk_head_dim, bias=False)
+            self.q_proj = Linear(hidden, mla.num_heads * mla.qk_head_dim, bias=False)
         else:
-            self.q_a_proj = nn.Linear(hidden, mla.q_lora_rank, bias=bias)
+            self.q_a_proj = Linear(hidden, mla.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, eps)
-            self.q_b_proj = nn.Linear(mla.q_lora_rank, mla.num_heads * mla.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, mla.kv_lora_rank + mla.qk_rope_head_dim, bias=bias)
+            self.q_b_proj = Linear(mla.q_lora_rank, mla.num_heads * mla.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = Linear(hidden, mla.kv_lora_rank + mla.qk_rope_head_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, eps)
-        self.kv_b_proj = nn.Linear(mla.kv_lora_rank, mla.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim),
+        self.kv_b_proj = Linear(mla.kv_lora_rank, mla.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim),
                                    bias=False)
-        self.o_proj = nn.Linear(mla.num_heads * mla.v_head_dim, hidden, bias=bias)
+        self.o_proj = Linear(mla.num_heads * mla.v_head_dim, hidden, bias=bias)
         rope = replace(config.rope, style="interleaved", rotary_dim=mla.qk_rope_head_dim)
         self.rotary = RotaryEmbedding(rope)
         self.scale = mla_softmax_scale(mla.qk_head_dim, rope)

@@ -1,0 +1,88 @@
+"""Packed oneDNN linears against ``F.linear``, the torch reference."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nebula_engine.kernels import cpu_linear
+from nebula_engine.kernels.cpu_linear import Linear, linear
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+@pytest.fixture(autouse=True)
+def prepacking_on():
+    previous = cpu_linear.set_prepacking(True)
+    yield
+    cpu_linear.set_prepacking(previous)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 7, 32, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_f_linear(rows, with_bias):
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 80, generator=generator)
+    bias = torch.randn(96, generator=generator) if with_bias else None
+    x = torch.randn(rows, 80, generator=generator)
+    with torch.inference_mode():
+        out = linear(x, weight, bias)
+    torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_leading_dims_and_strided_input():
+    weight = torch.randn(48, 64)
+    x = torch.randn(3, 5, 64)
+    strided = torch.randn(64, 9).t()  # [9, 64], not contiguous
+    with torch.no_grad():
+        torch.testing.assert_close(linear(x, weight), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(linear(strided, weight), F.linear(strided, weight), rtol=1e-5, atol=1e-5)
+
+
+def test_weight_changed_in_place_is_repacked():
+    weight, x = torch.randn(16, 32), torch.randn(4, 32)
+    with torch.no_grad():
+        first = linear(x, weight)
+        weight.mul_(2)  # e.g. checkpoint weights copied into a slice of a fused weight after a first forward
+        torch.testing.assert_close(linear(x, weight), 2 * first, rtol=1e-5, atol=1e-5)
+
+
+def test_a_fused_weight_sees_its_slices_loaded():
+    fused = torch.zeros(8, 4)
+    q_slice = nn.Parameter(fused[:4])  # a child's parameter as ``fuse_linear_weights`` makes it
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        linear(x, fused)
+        q_slice.copy_(torch.ones(4, 4))
+        torch.testing.assert_close(linear(x, fused)[:, :4], x.sum(-1, keepdim=True).expand(2, 4))
+
+
+def test_autograd_and_other_dtypes_take_f_linear():
+    layer = Linear(8, 4)
+    x = torch.randn(3, 8, requires_grad=True)
+    layer(x).sum().backward()  # the packed op has no autograd kernel: this must take F.linear
+    assert x.grad is not None and layer.weight.grad is not None
+    with torch.no_grad():
+        out = linear(x.double(), layer.weight.double())
+    assert out.dtype == torch.float64
+
+
+def test_switched_off_keeps_no_packed_copies():
+    weight, x = torch.randn(16, 32), torch.randn(4, 32)
+    with torch.no_grad():
+        linear(x, weight)
+        assert weight in cpu_linear._PACKED
+        cpu_linear.set_prepacking(False)
+        assert weight not in cpu_linear._PACKED
+        linear(x, weight)
+        assert weight not in cpu_linear._PACKED
+
+
+def test_linear_module_is_an_nn_linear_with_the_same_state_dict():
+    layer = Linear(8, 4, bias=True)
+    reference = nn.Linear(8, 4, bias=True)
+    reference.load_state_dict(layer.state_dict())
+    assert isinstance(layer, nn.Linear) and list(layer.state_dict()) == ["weight", "bias"]
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), reference(x), rtol=1e-5, atol=1e-5)
