@@ -3,7 +3,14 @@ model load. The engine runs on ``cpu`` and ``cuda`` (``cuda:N``) only."""
 
 from __future__ import annotations
 
+import os
+
 SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
+
+
+def machine_cores() -> int:
+    """CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 class DeviceError(ValueError):

@@ -21,7 +21,6 @@ its processors), with the cache sizes and batch budget of the engine options giv
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import platform
 import tempfile
 import time
@@ -33,6 +32,7 @@ import numpy as np
 import torch
 
 from nebula_engine.cluster.control.config import ClusterProfile, PrefillTimeModel, TransferLink
+from nebula_engine.devices import machine_cores
 
 ATTENTION_BACKENDS = ("full", "naive", "epic", "cacheblend", "a3")
 HYBRID_BACKENDS = ("hypic",)
@@ -340,10 +340,6 @@ def build_profile(options: ProfileOptions, log: Callable[[str], None] = lambda l
         shared_compute=options.device == "cpu", node_cores=machine_cores() if options.device == "cpu" else 1,
         sources=sources(options, mode, prefill_samples, combines, transfer_samples))
     return profile.to_dict()
-
-
-def machine_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def sources(options: ProfileOptions, mode: str, prefill_samples, combines, transfer_samples) -> dict:

@@ -7,11 +7,13 @@ import asyncio
 import threading
 
 import pytest
+import torch
 
 from nebula_engine.cluster.runtime.cost_profile import measured_cluster_config
 from nebula_engine.cluster.runtime.launcher import local_spec
 from nebula_engine.engine.cluster_port import EngineClusterPort, KVGeometry
 from nebula_engine.engine.sampling_params import SamplingParams
+from nebula_engine.devices import machine_cores
 from nebula_engine.kvcache.events import Tier
 
 PAGE = 4  # the engine fixture's page size
@@ -240,3 +242,5 @@ def test_the_cost_profile_carries_the_engine_geometry_and_the_measured_prefill()
     assert profile.prefill.per_token_s == 0.002 and profile.gpus_per_node == 3
     assert profile.intra_node.latency_s == spec.remote_read_latency_s
     assert profile.dispatch_s == spec.scatter_dispatch_s
+    # peers on this machine share its cores: as many compute at once as it has cores per peer thread
+    assert profile.shared_compute and profile.node_cores == max(1.0, machine_cores() / torch.get_num_threads())

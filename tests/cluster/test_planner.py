@@ -1,4 +1,5 @@
 import logging
+import math
 import random
 import sys
 from dataclasses import replace
@@ -171,6 +172,54 @@ def test_both_loops_match_literal_algorithm_1_with_latency_and_dispatch(fixed_co
     problem = random_problem(rng, workers, rng.randint(0, 14))
     assert GreedyPlanner(costs, seed, compiled=compiled).plan(problem) == \
         reference_plan(problem, costs, random.Random(seed))
+
+
+def costs_on_shared_cores(rng: random.Random, workers: int) -> TransferCosts:
+    costs = costs_with_dispatch(rng, workers)
+    return TransferCosts(costs.to, {Tier.HOST: costs.tier_cost[Tier.HOST]}, costs.latency, costs.dispatch,
+                         parallel_forwards=rng.choice([1, 2, 3, 0.5 + 4 * rng.random()]))
+
+
+@pytest.mark.parametrize("compiled", [None, False])
+@pytest.mark.parametrize("seed", range(200))
+def test_both_loops_match_literal_algorithm_1_on_shared_cores(seed, compiled):
+    rng = random.Random(seed)
+    workers = rng.randint(1, 6)
+    costs = costs_on_shared_cores(rng, workers)
+    problem = random_problem(rng, workers, rng.randint(0, 14))
+    assert GreedyPlanner(costs, seed, compiled=compiled).plan(problem) == \
+        reference_plan(problem, costs, random.Random(seed))
+
+
+@pytest.mark.parametrize("compiled", [None, False])
+def test_shared_cores_spread_cold_segments_only_while_cores_are_free(compiled):
+    def plan(queue, parallel_forwards):
+        costs = TransferCosts([[0.0 if w == c else 0.01 for w in range(4)] for c in range(4)],
+                              parallel_forwards=parallel_forwards)
+        return GreedyPlanner(costs, compiled=compiled).plan(PlanningProblem((), (100,) * 4, queue, 0.0))
+
+    idle, busy = (0.0,) * 4, (300.0,) * 4
+    assert len(set(plan(idle, math.inf).cold_workers)) == 4  # own processors: one segment each
+    # two cores: the machine needs 400 / 2 whoever computes; the greedy stops moving once the home is down to it
+    assert len(set(plan(idle, 2).cold_workers)) < 4 and plan(idle, 2).estimate == 200
+    spread = plan(busy, math.inf)
+    assert len(set(spread.cold_workers)) == 4 and spread.estimate == 300 + 100 + 1
+    # every worker busy on two shared cores: the machine needs (4 * 300 + 400) / 2 whoever computes
+    kept = plan(busy, 2)
+    assert set(kept.cold_workers) == {kept.home} and kept.estimate == 800
+    assert estimate(PlanningProblem((), (100,) * 4, busy, 0.0), 0, [0, 1, 2, 3], [],
+                    TransferCosts([[0.0, 0.01, 0.01, 0.01]] * 4, parallel_forwards=2)) == 800
+    with pytest.raises(ValueError, match="parallel_forwards"):
+        TransferCosts([[0.0]], parallel_forwards=0)
+
+
+def test_profile_shared_compute_sets_parallel_forwards_per_node():
+    profile = ClusterProfile.load()
+    assert not profile.shared_compute  # shipped profiles: one GPU per worker, no floor
+    assert math.isinf(TransferCosts.from_profile(profile, 4).parallel_forwards)
+    shared = replace(profile, shared_compute=True, node_cores=2.0, gpus_per_node=4)
+    assert TransferCosts.from_profile(shared, 4).parallel_forwards == 2.0
+    assert TransferCosts.from_profile(shared, 8).parallel_forwards == 4.0  # two nodes of two cores
 
 
 def test_link_latency_keeps_short_segments_at_the_home_and_still_spreads_long_ones():

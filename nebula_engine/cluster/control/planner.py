@@ -6,6 +6,14 @@ in prefill-token units: Q_w counts only if w computes a cold segment, P_w is the
 computes, D_w = d(w->c) * (all tokens w sends to the home c) plus, for hits on a slow tier, the
 tier's per-token load cost. C, the combine prefill, is the same for every plan.
 
+Workers that share processors (a local cluster on one machine: ``ClusterProfile.shared_compute``) cannot
+finish before the machine has done all the work it holds, whichever worker computes it. The estimate is then
+max(T(pi), F) with F = (sum_w Q_w + all cold tokens) / the forwards the machine runs at full speed at once
+(``TransferCosts.parallel_forwards``). F is the same for every plan and home, so it acts like one more worker
+whose term no move changes: a move is still accepted iff the estimate drops, and once F is the maximum,
+spreading cold segments gains nothing and they stay at the home. With dedicated processors F = 0, the paper's
+estimate.
+
 Speed (§9.5): for a fixed home the estimate is max(T_c, R) with R = max over the other workers. A
 move only lowers T_c and raises the target's T, so R is updated in O(1), the least-loaded target comes
 off a heap, and while T_c > R a move is accepted iff the target's new T stays below T_c. A rejected
@@ -50,11 +58,16 @@ class TransferCosts:
     sends the home anything (a link's latency; on a local cluster the pin round trip and engine-thread hops).
     ``dispatch[c][w]``: the fixed cost, in prefill tokens, that worker w adds once it computes a cold segment for
     home c (``ClusterProfile.dispatch_s``), on top of its latency.
-    §7.2's estimate has per-token terms only; these terms are 0 unless given, which is Algorithm 1 exactly."""
+    §7.2's estimate has per-token terms only; these terms are 0 unless given, which is Algorithm 1 exactly.
+    ``parallel_forwards``: how many prefills the workers' shared processors run at once at full speed (infinite:
+    each worker has its own, the paper's setting); it sets the floor F of the module docstring."""
 
     def __init__(self, to: Sequence[Sequence[float]], tier_cost: dict[Tier, float] | None = None,
                  latency: Sequence[Sequence[float]] | None = None,
-                 dispatch: Sequence[Sequence[float]] | None = None):
+                 dispatch: Sequence[Sequence[float]] | None = None, parallel_forwards: float = math.inf):
+        if not parallel_forwards > 0:
+            raise ValueError(f"parallel_forwards must be positive, got {parallel_forwards}")
+        self.parallel_forwards = float(parallel_forwards)
         self.to = [list(column) for column in to]
         self.tier_cost = {**{tier: math.inf for tier in Tier}, **(tier_cost or {}), Tier.DEVICE: 0.0}
         self.num_workers = len(self.to)
@@ -80,7 +93,16 @@ class TransferCosts:
         latency = [[profile.relative_transfer_latency(w, c) for w in range(num_workers)]
                    for c in range(num_workers)]
         dispatch = [[profile.relative_dispatch(w, c) for w in range(num_workers)] for c in range(num_workers)]
-        return cls(to, {tier: profile.tier_cost(tier) for tier in Tier}, latency, dispatch)
+        nodes = len({profile.node_of(w) for w in range(num_workers)})
+        parallel = profile.node_cores * nodes if profile.shared_compute else math.inf
+        return cls(to, {tier: profile.tier_cost(tier) for tier in Tier}, latency, dispatch, parallel)
+
+    def work_floor(self, problem: "PlanningProblem") -> float:
+        """F: the time the shared processors need for all queued work plus this request's cold segments
+        (0 when every worker has its own processor)."""
+        if math.isinf(self.parallel_forwards):
+            return 0.0
+        return (sum(problem.outstanding) + sum(problem.cold)) / self.parallel_forwards
 
     def copy_cost(self, tier: Tier, src: int, home: int) -> float:
         """Per-token cost, in prefill tokens, of reading a copy on ``tier`` at ``src`` and moving it to ``home``."""
@@ -258,7 +280,7 @@ class GreedyPlanner:
         tokens, extra = supplied_by_source(problem.hits, self.costs)
         estimates, moved = self.kernel.plan_homes(self.costs.matrix, self.costs.latency_matrix,
                                                   self.costs.dispatch_matrix, queue, by_load,
-                                                  cold[order], tokens, extra)
+                                                  cold[order], tokens, extra, self.costs.work_floor(problem))
         best = estimates.min()
         ties = np.flatnonzero(estimates == best).tolist()  # ascending home, as the Python path sorts
         home = ties[0] if len(ties) == 1 else self.rng.choice(ties)
@@ -281,12 +303,13 @@ class GreedyPlanner:
         single = hit_tokens_by_source([h for h in problem.hits if len(h.holders) == 1], 0, self.costs)
         single_summary = summarise(single, self.costs)
         multi = [h for h in problem.hits if len(h.holders) > 1]
+        floor = self.costs.work_floor(problem)
         best, best_homes = float("inf"), []
         for _, home in by_load:  # lightly loaded homes tend to win: a low bound early prunes the rest
             summary = summarise(hit_tokens_by_source(multi, home, self.costs, single), self.costs) \
                 if multi else single_summary
             estimate, moves = self._plan_home(problem, home, lengths, negated, by_load, position,
-                                              summary, best)
+                                              summary, best, floor)
             if estimate < best:
                 best, best_homes = estimate, [(home, moves)]
             elif estimate == best:
@@ -299,8 +322,8 @@ class GreedyPlanner:
         sources = tuple(hit_source(hit, home, self.costs) for hit in problem.hits)
         return GreedyPlan(home, tuple(cold_workers), sources, best + problem.combine_cost)
 
-    def _plan_home(self, problem, home, lengths, negated, by_load, position, summary, bound):
-        """Greedy moves for one home; returns (max_w T_w, [(rank of cold segment, worker)]).
+    def _plan_home(self, problem, home, lengths, negated, by_load, position, summary, bound, floor):
+        """Greedy moves for one home; returns (max(max_w T_w, floor), [(rank of cold segment, worker)]).
 
         Stops early, returning an estimate above ``bound``, once the home cannot end at or below it:
         the maximum over the other workers only grows, so it is a lower bound on the result.
@@ -311,6 +334,7 @@ class GreedyPlanner:
         home_fixed = fixed.get(home, 0.0)
         others = max((f for w, f in fixed.items() if w != home), default=0.0) if home in fixed \
             else max(fixed.values(), default=0.0)
+        others = max(others, floor)  # F: a term no move changes, like a source's
         if others > bound:
             return others, []
         remaining = sum(lengths)
@@ -369,4 +393,4 @@ def estimate(problem: PlanningProblem, home: int, cold_workers: Sequence[int],
     terms = [worker_time(problem.outstanding[w] if computed[w] else 0.0, computed[w], column[w],
                          fixed.get(w, latency[w] if computed[w] else 0.0)) + (dispatch[w] if computed[w] else 0.0)
              for w in range(costs.num_workers)]
-    return max(terms) + problem.combine_cost
+    return max(max(terms), costs.work_floor(problem)) + problem.combine_cost

@@ -16,9 +16,9 @@ import numpy as np
 from numba import njit
 
 # (rows of to, rows of latency, rows of dispatch, queue, homes by load, cold lengths longest first, tokens and extra
-# per source)
+# per source, the shared processors' work floor)
 PLAN_HOMES_SIGNATURE = "Tuple((float64[::1], int64[:, ::1]))(float64[:, ::1], float64[:, ::1], float64[:, ::1], " \
-                       "float64[::1], int64[::1], int64[::1], int64[:, ::1], float64[:, ::1])"
+                       "float64[::1], int64[::1], int64[::1], int64[:, ::1], float64[:, ::1], float64)"
 
 
 @njit("boolean(float64, int64, float64, int64)", cache=True)
@@ -69,7 +69,7 @@ def _home_time(home_queue, remaining, home_fixed):
 
 
 @njit(cache=True)
-def _plan_home(home, column, dispatch, queue, homes, lengths, fixed, sending, bound, computed, heap_loads,
+def _plan_home(home, column, dispatch, queue, homes, lengths, fixed, sending, bound, floor, computed, heap_loads,
                heap_workers, moved):
     """Greedy moves for one home, writing the worker of each cold segment (by rank) into ``moved``.
 
@@ -84,6 +84,8 @@ def _plan_home(home, column, dispatch, queue, homes, lengths, fixed, sending, bo
     for worker in range(workers):
         if worker != home and sending[worker] and fixed[worker] > others:
             others = fixed[worker]
+    if floor > others:  # the Python path's max(others, floor)
+        others = floor
     if others > bound:
         return others
     remaining = 0
@@ -130,13 +132,14 @@ def _plan_home(home, column, dispatch, queue, homes, lengths, fixed, sending, bo
 
 
 @njit(PLAN_HOMES_SIGNATURE, cache=True)
-def plan_homes(to, latency, dispatch, queue, homes, lengths, tokens, extra):
+def plan_homes(to, latency, dispatch, queue, homes, lengths, tokens, extra, floor):
     """Run the greedy for every home, least loaded first, pruning against the best estimate so far.
 
     ``to[c, w]`` is d(w -> c); ``tokens[r, w]`` and ``extra[r, w]`` are what worker w supplies from
     cache and its slow-tier read cost, with one row per home (r = c) or a single row shared by all.
     ``latency[c, w]`` is added to w's fixed cost: paid by a source, and by a worker once it computes for c;
-    ``dispatch[c, w]`` is added to w's time once it computes for c.
+    ``dispatch[c, w]`` is added to w's time once it computes for c. ``floor`` is F, the shared processors' time
+    for all the work (``TransferCosts.work_floor``): a lower bound on every home's estimate.
     Returns per-home estimates (pruned homes: some value above the final best) and per-home cold
     assignments by rank, complete only for homes that were not pruned.
     """
@@ -157,8 +160,8 @@ def plan_homes(to, latency, dispatch, queue, homes, lengths, tokens, extra):
             # that sends nothing from cache pays the latency once it computes for c (the Python path's default)
             sending[worker] = tokens[row, worker] != 0
             fixed[worker] = column[worker] * tokens[row, worker] + extra[row, worker] + latency[home, worker]
-        estimate = _plan_home(home, column, dispatch[home], queue, homes, lengths, fixed, sending, best, computed,
-                              heap_loads, heap_workers, moved[home])
+        estimate = _plan_home(home, column, dispatch[home], queue, homes, lengths, fixed, sending, best, floor,
+                              computed, heap_loads, heap_workers, moved[home])
         estimates[home] = estimate
         if estimate < best:
             best = estimate

@@ -1,12 +1,15 @@
 """The planner's cost model for a cluster of peers on this machine: the engine's real KV size and prefill speed,
-NIXL over loopback."""
+NIXL over loopback, and the machine's cores shared by every peer."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
+
 from nebula_engine.cluster.control.config import ClusterConfig, ClusterProfile, TransferLink
 from nebula_engine.cluster.runtime.spec import ClusterSpec
+from nebula_engine.devices import machine_cores
 from nebula_engine.engine.cluster_port import KVGeometry
 
 LOOPBACK_BANDWIDTH_BYTES_PER_S = 1.0e9  # what NIXL moves between two local peers, about
@@ -17,11 +20,18 @@ def measured_cluster_config(spec: ClusterSpec, kv: KVGeometry, prefill_per_token
     """``ClusterProfile.load()`` with this engine's KV geometry and ``prefill_per_token_s`` (measured with
     ``EngineClusterPort.prefill_seconds_per_token``); every link is loopback. A read's fixed cost (the pin round
     trip and the insert) is the spec's ``remote_read_latency_s``, paid once per source (``TransferCosts.latency``);
-    a segment scattered to another peer also pays its ``scatter_dispatch_s`` (``TransferCosts.dispatch``)."""
+    a segment scattered to another peer also pays its ``scatter_dispatch_s`` (``TransferCosts.dispatch``).
+
+    Peers of a spec that stays on this machine share its cores (``shared_compute``): ``node_cores`` is then how
+    many peers compute at once at the measured speed, this machine's cores over this peer's torch threads (the
+    default compare: 2 cores, 1 thread, so 2 of its 4 peers). A spec spanning machines keeps one processor per
+    peer."""
     base = ClusterProfile.load()
     loopback = TransferLink(bandwidth_bytes_per_s=LOOPBACK_BANDWIDTH_BYTES_PER_S, latency_s=spec.remote_read_latency_s)
     profile = replace(base, name="local-cpu", kv_bytes_per_token=max(1, kv.bytes_per_token), intra_node=loopback,
                       inter_node=loopback, gpus_per_node=len(spec.peers),
                       cache_capacity_tokens=kv.num_pages * kv.page_size, dispatch_s=spec.scatter_dispatch_s,
+                      shared_compute=not spec.spans_machines,
+                      node_cores=max(1.0, machine_cores() / torch.get_num_threads()),
                       prefill=replace(base.prefill, per_token_s=prefill_per_token_s, fixed_s=PREFILL_FIXED_S))
     return ClusterConfig(num_prefill_workers=len(spec.prefill_peers), profile=profile)
