@@ -5,12 +5,14 @@ Ours runs the real path (scheduler -> model runner -> paged KV cache -> sampler)
 transformers runs ``generate`` (greedy, the same batch and new tokens: what its users call) and, for reference,
 its bare forward with its own DynamicCache and ``logits_to_keep=1`` (no generate overhead).
 
-- prefill: one prompt of --prompt-len tokens, tokens/s (ours: the engine step that prefills and samples);
+- prefill: one prompt of --prompt-len tokens, tokens/s (ours: the engine steps that prefill it and sample);
 - decode: --decode-batches concurrent requests of --decode-prompt-len tokens, --decode-steps new tokens each,
-  tokens/s of the decode steps (transformers ``generate``: generate(N+1) - generate(1) over N tokens);
+  tokens/s of the decode steps (median step; transformers ``generate``: the median interval between its calls
+  of a logits processor, one per new token);
 - limit: a 2048³ fp32 matmul with the same threads, GFLOP/s. A figure's fraction of it counts 2 FLOPs per
-  weight a token multiplies (the matmul weights; MoE: the experts a token uses) plus 4·H·D per context token
-  per attention layer (QK and PV). Linear-attention recurrences and MLA's latent attention are left out.
+  weight a token multiplies (the matmul weights; MoE: the experts a token uses; the LM head only for tokens
+  whose logits are computed, a prefill's last) plus 4·H·D per context token per attention layer (QK and PV).
+  Linear-attention recurrences and MLA's latent attention are left out.
 
 Prints ratios ours/HF (> 1: we are faster). Runners alternate repeat by repeat and the best repeat counts, so
 load from other processes hits both sides alike. Shapes scale with --hidden-size / --num-heads: DeepSeek-V2
@@ -121,16 +123,21 @@ class OursRunner:
             self._next_id += 1
 
     def prefill(self, prompts: torch.Tensor) -> float:
-        """Seconds of the step that prefills ``prompts`` [B, L] (in one step: the token budget fits them)."""
+        """Seconds of the steps that prefill ``prompts`` [B, L] and sample their first token: one step when the
+        token budget fits them, more when the scheduler splits a prompt (a hybrid model's prefill ends its chunks
+        where a linear-attention state is saved for its prefix cache)."""
         self._add(prompts, max_tokens=1)
-        seconds = timed(self.engine.step)
-        assert not self.engine.has_unfinished_requests()
+        seconds = 0.0
+        while self.engine.has_unfinished_requests():
+            seconds += timed(self.engine.step)
         return seconds
 
     def decode(self, prompts: torch.Tensor, steps: int) -> float:
         """Seconds per decode step (median) of ``prompts`` [B, L] decoding together."""
         self._add(prompts, max_tokens=steps + 1)
-        self.engine.step()  # the prefill and first token
+        started: set[str] = set()
+        while len(started) < len(prompts):  # the prefill (one step, or more when it is split) and first tokens
+            started.update(output.request_id for output in self.engine.step())
         seconds = [timed(self.engine.step) for _ in range(steps)]
         assert not self.engine.has_unfinished_requests()
         return statistics.median(seconds)
@@ -177,23 +184,28 @@ class HFRunner:
 
 
 class HFGenerateRunner(HFRunner):
-    """transformers' ``generate``: per-step decode time from two runs.
+    """transformers' ``generate``: per-step decode time from inside one run.
 
-    generate(N+1 tokens) - generate(1 token) leaves the N decode steps with all of generate's per-step work
-    (logits processing, stopping criteria, cache updates).
+    A logits processor stamps the clock each time ``generate`` calls it, once per new token, after that step's
+    forward; the median interval between consecutive stamps is one decode step with all of generate's per-step
+    work (logits processing, stopping criteria, cache updates). Timing generate(N+1) - generate(1) instead
+    subtracted two runs that both include the prompt's prefill, whose run-to-run noise swamped the N steps.
     """
 
     @torch.inference_mode()
     def decode(self, prompts: torch.Tensor, steps: int) -> float:
-        mask = torch.ones_like(prompts)
+        from transformers import LogitsProcessorList
 
-        def generate(new_tokens: int):
-            self.model.generate(prompts, attention_mask=mask, max_new_tokens=new_tokens,
-                                min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        stamps: list[float] = []
 
-        first = timed(lambda: generate(1))
-        total = timed(lambda: generate(steps + 1))
-        return (total - first) / steps
+        def stamp(input_ids, scores):
+            stamps.append(clock())
+            return scores
+
+        self.model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=steps + 1,
+                            min_new_tokens=steps + 1, do_sample=False, pad_token_id=0,
+                            logits_processor=LogitsProcessorList([stamp]))
+        return statistics.median(later - earlier for earlier, later in zip(stamps, stamps[1:]))
 
 
 def gemm_gflops(size: int = 2048, repeats: int = 5) -> float:
@@ -218,8 +230,11 @@ def matmul_weights_per_token(model: torch.nn.Module) -> int:
 
 
 def attention_flops_per_context_token(model) -> int:
-    """QK and PV: 2 FLOPs each per head dim per head per attention layer, for each context token seen."""
-    return sum(4 * m.num_heads * m.head_dim for m in model.attention_layers())
+    """QK and PV: 2 FLOPs each per head dim per head per attention layer, for each context token seen (MLA's
+    latent attention left out, as the module docstring says)."""
+    from nebula_engine.model.layers import RopeAttention
+
+    return sum(4 * m.num_heads * m.head_dim for m in model.attention_layers() if isinstance(m, RopeAttention))
 
 
 CLOCK = {"wall": time.perf_counter, "cpu": time.process_time}
@@ -264,8 +279,11 @@ def main() -> None:
               f"{args.clock} clock; "
               f"GEMM limit (2048^3) {limit:.1f} GFLOP/s", flush=True)
 
-        def fraction(tokens_per_s: float, context: float) -> str:
-            gflops = tokens_per_s * (2 * weights + attention * context) / 1e9
+        head = model.lm_head.weight.numel()
+
+        def fraction(tokens_per_s: float, context: float, logits_per_token: float = 1.0) -> str:
+            """``logits_per_token``: the share of tokens whose logits are computed (a prefill: only its last)."""
+            gflops = tokens_per_s * (2 * (weights - head + head * logits_per_token) + attention * context) / 1e9
             return f"{gflops:6.1f} GFLOP/s = {100 * gflops / limit:4.1f}% of limit"
 
         warm = random_prompts(1, 16, vocab, seed=0)
@@ -276,8 +294,8 @@ def main() -> None:
                           lambda r, i: r.prefill(random_prompts(1, args.prompt_len, vocab, seed=1 + i)))
         tokens, context = args.prompt_len, (args.prompt_len + 1) / 2  # causal: a token sees half on average
         ours_rate, hf_rate = tokens / prefill["ours"], tokens / prefill["hf"]
-        print(f"prefill {tokens} tokens       ours {ours_rate:8.1f} tok/s ({fraction(ours_rate, context)})   "
-              f"HF {hf_rate:8.1f} tok/s ({fraction(hf_rate, context)})   ours/HF {ours_rate / hf_rate:.2f}x",
+        print(f"prefill {tokens} tokens       ours {ours_rate:8.1f} tok/s ({fraction(ours_rate, context, 1 / tokens)})   "
+              f"HF {hf_rate:8.1f} tok/s ({fraction(hf_rate, context, 1 / tokens)})   ours/HF {ours_rate / hf_rate:.2f}x",
               flush=True)
         context = args.decode_prompt_len + args.decode_steps / 2
         for batch in args.decode_batches:

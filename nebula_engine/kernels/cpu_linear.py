@@ -8,11 +8,13 @@ EPYC, ``tools/bench_linear.py``. torch.compile's CPU path packs weights the same
 
 The packed copy is built on first use and kept beside the weight (a second copy of every linear weight in
 memory). It is rebuilt when the weight changes in place (its version counter moves) and dropped with the
-weight. Anything else (autograd, other devices or dtypes, no oneDNN) takes ``F.linear``.
+weight. Anything else (autograd, other devices or dtypes, no oneDNN) takes ``F.linear``, and so does everything
+when the environment sets ``NEBULA_CPU_PREPACK=0`` (to save the memory of the copies).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
@@ -20,7 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-_ENABLED = torch.backends.mkldnn.is_available()
+PREPACK_ENV = "NEBULA_CPU_PREPACK"
+_ENABLED = torch.backends.mkldnn.is_available() and os.environ.get(PREPACK_ENV, "1") != "0"
 _LOCK = threading.Lock()
 # weight -> (its version and data pointer when packed, the packed copy)
 _PACKED = WeakIdKeyDictionary()

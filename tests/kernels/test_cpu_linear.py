@@ -1,5 +1,9 @@
 """Packed oneDNN linears against ``F.linear``, the torch reference."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -86,3 +90,11 @@ def test_linear_module_is_an_nn_linear_with_the_same_state_dict():
     x = torch.randn(2, 8)
     with torch.no_grad():
         torch.testing.assert_close(layer(x), reference(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("value, enabled", [("0", False), ("1", True)])
+def test_environment_switch(value, enabled):
+    code = "from nebula_engine.kernels import cpu_linear; print(cpu_linear.prepacking_enabled())"
+    env = {**os.environ, cpu_linear.PREPACK_ENV: value}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == str(enabled)
