@@ -162,18 +162,6 @@ def costs_with_dispatch(rng: random.Random, workers: int) -> TransferCosts:
     return TransferCosts(costs.to, {Tier.HOST: costs.tier_cost[Tier.HOST]}, costs.latency, dispatch)
 
 
-@pytest.mark.parametrize("compiled", [None, False])
-@pytest.mark.parametrize("seed", range(200))
-@pytest.mark.parametrize("fixed_costs", [costs_with_latency, costs_with_dispatch])
-def test_both_loops_match_literal_algorithm_1_with_latency_and_dispatch(fixed_costs, seed, compiled):
-    rng = random.Random(seed)
-    workers = rng.randint(1, 6)
-    costs = fixed_costs(rng, workers)
-    problem = random_problem(rng, workers, rng.randint(0, 14))
-    assert GreedyPlanner(costs, seed, compiled=compiled).plan(problem) == \
-        reference_plan(problem, costs, random.Random(seed))
-
-
 def costs_on_shared_cores(rng: random.Random, workers: int) -> TransferCosts:
     costs = costs_with_dispatch(rng, workers)
     return TransferCosts(costs.to, {Tier.HOST: costs.tier_cost[Tier.HOST]}, costs.latency, costs.dispatch,
@@ -182,10 +170,11 @@ def costs_on_shared_cores(rng: random.Random, workers: int) -> TransferCosts:
 
 @pytest.mark.parametrize("compiled", [None, False])
 @pytest.mark.parametrize("seed", range(200))
-def test_both_loops_match_literal_algorithm_1_on_shared_cores(seed, compiled):
+@pytest.mark.parametrize("fixed_costs", [costs_with_latency, costs_with_dispatch, costs_on_shared_cores])
+def test_both_loops_match_literal_algorithm_1_with_latency_dispatch_and_shared_cores(fixed_costs, seed, compiled):
     rng = random.Random(seed)
     workers = rng.randint(1, 6)
-    costs = costs_on_shared_cores(rng, workers)
+    costs = fixed_costs(rng, workers)
     problem = random_problem(rng, workers, rng.randint(0, 14))
     assert GreedyPlanner(costs, seed, compiled=compiled).plan(problem) == \
         reference_plan(problem, costs, random.Random(seed))
