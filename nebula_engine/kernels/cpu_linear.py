@@ -1,15 +1,15 @@
 """fp32 linear layers on CPU through oneDNN, with each weight packed once into oneDNN's blocked layout.
 
 ``F.linear`` on CPU calls MKL's sgemm. At the few rows of a decode step oneDNN with a packed weight is much
-faster on the machines we run: SmolLM2's linear weights take 184 ms a step at 32 rows through ``F.linear``
-and 118 ms packed (2.0x at 8 rows, 1.4x at 1, 1.3x at 512; MKL's own packed sgemm gained 7%); 2 threads, AMD
-EPYC, ``tools/bench_linear.py``. torch.compile's CPU path packs weights the same way
-(``mkldnn._reorder_linear_weight``).
+faster on the machines we run: SmolLM2's linear weights take 262 ms a step at 32 rows through ``F.linear`` and
+150 ms packed (1.4x at 1 and 8 rows, 1.1x at 512; MKL's own packed sgemm gained 7%); 2 threads, AMD EPYC,
+``tools/bench_linear.py``. torch.compile's CPU path packs weights the same way (``mkldnn._reorder_linear_weight``).
 
 The packed copy is built on first use and kept beside the weight (a second copy of every linear weight in
 memory). It is rebuilt when the weight changes in place (its version counter moves) and dropped with the
-weight. Anything else (autograd, other devices or dtypes, no oneDNN) takes ``F.linear``, and so does everything
-when the environment sets ``NEBULA_CPU_PREPACK=0`` (to save the memory of the copies).
+weight. Anything else (autograd, other devices or dtypes, weights made under ``inference_mode``, no oneDNN)
+takes ``F.linear``, and so does everything when the environment sets ``NEBULA_CPU_PREPACK=0`` (to save the
+memory of the copies).
 """
 
 from __future__ import annotations
@@ -46,8 +46,10 @@ def prepacking_enabled() -> bool:
 
 
 def _packs(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    # a weight made under inference_mode has no version counter, so a stale copy could not be noticed
     return (_ENABLED and not torch.is_grad_enabled() and weight.device.type == "cpu" and x.device.type == "cpu"
-            and weight.dtype == torch.float32 and x.dtype == torch.float32 and weight.dim() == 2)
+            and weight.dtype == torch.float32 and x.dtype == torch.float32 and weight.dim() == 2
+            and not weight.is_inference())
 
 
 def packed_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -71,6 +71,13 @@ def test_autograd_and_other_dtypes_take_f_linear():
     assert out.dtype == torch.float64
 
 
+def test_a_weight_made_under_inference_mode_takes_f_linear():
+    with torch.inference_mode():  # such a weight has no version counter to notice in-place changes by
+        weight, x = torch.randn(16, 32), torch.randn(4, 32)
+        torch.testing.assert_close(linear(x, weight), F.linear(x, weight))
+        assert weight not in cpu_linear._PACKED
+
+
 def test_switched_off_keeps_no_packed_copies():
     weight, x = torch.randn(16, 32), torch.randn(4, 32)
     with torch.no_grad():
