@@ -73,6 +73,7 @@ class CompareOptions:
     # what the planner charges once per remote source (ClusterSpec.remote_read_latency_s, measured there)
     remote_read_latency_s: float = ClusterSpec.remote_read_latency_s
     scatter_dispatch_s: float = ClusterSpec.scatter_dispatch_s  # and per cold segment scattered to another peer
+    shared_cores: bool = ClusterSpec.shared_cores  # the planner knows the peers share this machine's cores
     log_level: str = "warning"  # the peers' (debug: each combine's remote KV wait, each read's pin and store times)
 
     @property
@@ -83,7 +84,7 @@ class CompareOptions:
 def run_policy(model: str, policy: str, requests, options: CompareOptions, log_dir: Path) -> dict:
     spec = local_spec(options.prefill_workers, options.decode_workers, policy=policy,
                       remote_read_latency_s=options.remote_read_latency_s,
-                      scatter_dispatch_s=options.scatter_dispatch_s)
+                      scatter_dispatch_s=options.scatter_dispatch_s, shared_cores=options.shared_cores)
     engine = {"page_size": options.page_size, "num_pages": options.num_pages,
               "pic_backend": None if options.pic_backend == "none" else options.pic_backend}
     settings = PeerSettings(peer_timeout_s=options.peer_timeout_s, failover_timeout_s=2 * options.peer_timeout_s)
@@ -235,6 +236,9 @@ def plot_compare(path: Path, rows: list[dict], bound: float | None, title: str) 
               default=CompareOptions.scatter_dispatch_s, show_default=True,
               help="Seconds the planner charges a cold segment it scatters to another peer, beyond its prefill and "
                    "the read (the cluster spec's scatter_dispatch_s).")
+@click.option("--shared-cores/--no-shared-cores", default=CompareOptions.shared_cores, show_default=True,
+              help="Whether the planner knows that the peers share this machine's cores (the cluster spec's "
+                   "shared_cores; off: it plans as if each peer had processors of its own, Algorithm 1).")
 @click.option("--log-level", type=click.Choice(("debug", "info", "warning", "error")),
               default=CompareOptions.log_level, show_default=True,
               help="The peers' log level (debug: per combine, how long its remote KV took).")

@@ -76,3 +76,12 @@ def test_the_spec_carries_the_planners_fixed_costs(field):
     assert getattr(ClusterSpec.from_json(json.dumps(data)), field) == getattr(ClusterSpec, field)
     with pytest.raises(ValueError, match=field):
         ClusterSpec((peer,), **{field: -1.0})
+
+
+def test_the_spec_carries_whether_peers_share_cores():
+    peer = PeerSpec("p", "prefill", "127.0.0.1", 1, 2, 3, 0)
+    spec = ClusterSpec((peer,), shared_cores=False)
+    assert ClusterSpec.from_json(spec.to_json()).shared_cores is False
+    data = json.loads(spec.to_json())
+    del data["shared_cores"]  # a spec written before the field existed
+    assert ClusterSpec.from_json(json.dumps(data)).shared_cores is True

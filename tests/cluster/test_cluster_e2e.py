@@ -73,7 +73,7 @@ def cluster(model_dir, tmp_path_factory):
     """2 prefill + 1 decode peers, nebula policy, an API key, a small request-body limit."""
     # no fixed cost on remote reads: the tiny model's segments are planned where they are (the data plane under
     # test); whether a read pays for itself is the planner's decision, tested in test_policies / test_planner
-    with LocalCluster(model_dir, local_spec(2, 1, remote_read_latency_s=0.0, scatter_dispatch_s=0.0), ENGINE, log_dir=tmp_path_factory.mktemp("logs"),
+    with LocalCluster(model_dir, local_spec(2, 1, remote_read_latency_s=0.0, scatter_dispatch_s=0.0, shared_cores=False), ENGINE, log_dir=tmp_path_factory.mktemp("logs"),
                       settings=PeerSettings(api_key=API_KEY, max_request_bytes=MAX_REQUEST_BYTES)) as running:
         yield running
 

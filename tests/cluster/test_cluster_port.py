@@ -244,3 +244,5 @@ def test_the_cost_profile_carries_the_engine_geometry_and_the_measured_prefill()
     assert profile.dispatch_s == spec.scatter_dispatch_s
     # peers on this machine share its cores: as many compute at once as it has cores per peer thread
     assert profile.shared_compute and profile.node_cores == max(1.0, machine_cores() / torch.get_num_threads())
+    unshared = measured_cluster_config(local_spec(2, 1, shared_cores=False), KVGeometry(4, 10, 96), 0.002)
+    assert not unshared.profile.shared_compute  # Algorithm 1: each peer plans as if it had its own cores

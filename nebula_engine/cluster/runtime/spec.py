@@ -66,6 +66,9 @@ class ClusterSpec:
     # is the median of (pin sent to segment stored) - (its predicted prefill) - remote_read_latency_s over the
     # scattered segments of two default compares with every read planned (0.107 and 0.099 s; README)
     scatter_dispatch_s: float = 0.10
+    # peers on this one machine share its cores, and the planner bounds a plan by what they can do together
+    # (TransferCosts.parallel_forwards); False plans as if each peer had processors of its own (Algorithm 1)
+    shared_cores: bool = True
 
     def __post_init__(self) -> None:
         for name in ("remote_read_latency_s", "scatter_dispatch_s"):
@@ -99,14 +102,15 @@ class ClusterSpec:
 
     def to_json(self) -> str:
         return json.dumps({"policy": self.policy, "etcd": self.etcd, "remote_read_latency_s": self.remote_read_latency_s,
-                           "scatter_dispatch_s": self.scatter_dispatch_s, "peers": [asdict(p) for p in self.peers]})
+                           "scatter_dispatch_s": self.scatter_dispatch_s, "shared_cores": self.shared_cores,
+                           "peers": [asdict(p) for p in self.peers]})
 
     @classmethod
     def from_json(cls, text: str) -> ClusterSpec:
         data = json.loads(text)
         return cls(tuple(PeerSpec(**p) for p in data["peers"]), data.get("policy", "nebula"), data.get("etcd"),
                    data.get("remote_read_latency_s", cls.remote_read_latency_s),
-                   data.get("scatter_dispatch_s", cls.scatter_dispatch_s))
+                   data.get("scatter_dispatch_s", cls.scatter_dispatch_s), bool(data.get("shared_cores", True)))
 
 
 @dataclass(frozen=True)
