@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nebula_engine.kernels.cpu_linear import Linear
 from nebula_engine.kernels.gated_delta_rule import (chunk_gated_delta_rule, gated_delta_step,
                                                    recurrent_gated_delta_rule)
-from nebula_engine.kernels.cpu_linear import Linear
 from nebula_engine.kernels.pic_ops import gated_delta_transition
 from nebula_engine.kvcache.spec import LinearStateSpec
 

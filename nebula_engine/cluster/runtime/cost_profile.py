@@ -22,11 +22,10 @@ def measured_cluster_config(spec: ClusterSpec, kv: KVGeometry, prefill_per_token
     trip and the insert) is the spec's ``remote_read_latency_s``, paid once per source (``TransferCosts.latency``);
     a segment scattered to another peer also pays its ``scatter_dispatch_s`` (``TransferCosts.dispatch``).
 
-    Peers of a spec that stays on this machine share its cores (``shared_compute``, unless the spec's ``shared_cores``
-    is off): ``node_cores`` is then how
-    many peers compute at once at the measured speed, this machine's cores over this peer's torch threads (the
-    default compare: 2 cores, 1 thread, so 2 of its 4 peers). A spec spanning machines keeps one processor per
-    peer."""
+    Peers of a spec that stays on this machine share its cores (``shared_compute``, unless the spec's
+    ``shared_cores`` is off): ``node_cores`` is then how many peers compute at once at the measured speed, this
+    machine's cores over this peer's torch threads (the default compare: 2 cores, 1 thread, so 2 of its 4 peers).
+    A spec spanning machines keeps one processor per peer."""
     base = ClusterProfile.load()
     loopback = TransferLink(bandwidth_bytes_per_s=LOOPBACK_BANDWIDTH_BYTES_PER_S, latency_s=spec.remote_read_latency_s)
     profile = replace(base, name="local-cpu", kv_bytes_per_token=max(1, kv.bytes_per_token), intra_node=loopback,
