@@ -314,3 +314,23 @@ def test_missing_numba_warns_and_falls_back_to_python(monkeypatch, caplog):
     finally:
         monkeypatch.undo()
         compiled_kernel.cache_clear()  # later planners load the real kernel again
+
+
+@pytest.mark.parametrize("compiled", [None, False])
+@pytest.mark.parametrize("parallel_forwards", [math.inf, 2])
+def test_a_worker_that_is_down_is_neither_home_nor_helper(compiled, parallel_forwards):
+    costs = TransferCosts([[0.0 if w == c else 0.01 for w in range(4)] for c in range(4)],
+                          parallel_forwards=parallel_forwards)
+    for seed in range(20):  # ties between homes are broken at random: every draw avoids the down worker
+        planner = GreedyPlanner(costs, seed, compiled=compiled)
+        plan = planner.plan(PlanningProblem((Hit(30, ((2, Tier.DEVICE),)),), (100,) * 4, (0.0, math.inf, 0.0, 0.0),
+                                            0.0))
+        assert plan.home != 1 and 1 not in plan.cold_workers and math.isfinite(plan.estimate)
+        # nothing cold: the home's queue would not count, yet a down worker is still no home
+        assert planner.plan(PlanningProblem((), (), (math.inf, 0.0), 0.0)).home == 1
+    # its queue is no work for the shared cores: the floor of three idle workers, 400 / 2
+    if parallel_forwards == 2:
+        assert GreedyPlanner(costs, compiled=compiled).plan(
+            PlanningProblem((), (100,) * 4, (0.0, math.inf, 0.0, 0.0), 0.0)).estimate == 200
+    with pytest.raises(ValueError, match="every prefill worker is down"):
+        GreedyPlanner(costs, compiled=compiled).plan(PlanningProblem((), (100,), (math.inf,) * 4, 0.0))

@@ -1,6 +1,9 @@
+import math
+from dataclasses import replace
+
 import pytest
 
-from builders import request
+from builders import rag_requests, request
 from nebula_engine.cluster.control.config import ClusterConfig
 from nebula_engine.cluster.control.control_plane import ControlPlane
 from nebula_engine.cluster.control.messages import Action, CacheKind, StoreEvent, Tier
@@ -178,3 +181,29 @@ def test_the_light_list_of_policy_names_names_exactly_the_policies_in_comparison
     from nebula_engine.cluster.control.policy_names import POLICY_NAMES
 
     assert tuple(POLICIES) == POLICY_NAMES
+
+
+@pytest.mark.parametrize("scheduler", [LocalityScheduler, LoadScheduler])
+def test_the_strawman_schedulers_leave_a_worker_that_is_down_alone(scheduler):
+    costs = TransferCosts([[0.0, 0.1, 0.1], [0.1, 0.0, 0.1], [0.1, 0.1, 0.0]])
+    problem = PlanningProblem((), (50, 40, 30), (math.inf, 0.0, 5.0), 10.0)
+    for seed in range(10):
+        plan = scheduler(costs, seed).place(problem)
+        assert plan.home != 0 and 0 not in plan.cold_workers
+    with pytest.raises(ValueError, match="every prefill worker is down"):
+        scheduler(costs).place(PlanningProblem((), (50,), (math.inf,) * 3, 10.0))
+
+
+@pytest.mark.parametrize("shared_cores", [False, True])
+@pytest.mark.parametrize("policy", ["pc", "local-pic", "nebula"])
+def test_no_policy_plans_on_a_worker_that_is_down(policy, shared_cores):
+    profile = replace(CONFIG.profile, shared_compute=shared_cores, node_cores=1.0)
+    plane = ControlPlane(ClusterConfig(num_prefill_workers=3, profile=profile), policy)
+    plane.view.set_down(1, True)
+    for keys in [RequestKeys.of(r) for r in rag_requests(30, documents=12)]:
+        plan = plane.on_request(keys, 0.0).plan
+        assert plan.combine_home != 1 and all(s.worker != 1 for s in plan.segments)
+    plane.view.set_down(1, False)
+    fresh = [request(f"f{i}", ("P", f"sys{i}", 100), *(("I", f"new{i}-{d}", 200) for d in range(4))) for i in range(30)]
+    plans = [plane.on_request(RequestKeys.of(r), 1.0).plan for r in fresh]
+    assert any(p.combine_home == 1 or any(s.worker == 1 for s in p.segments) for p in plans)  # up: planned on again

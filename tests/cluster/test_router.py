@@ -163,3 +163,46 @@ def test_events_keep_the_workers_sequence_numbers_and_tiers(router):
     assert view.holders(CacheKind.PIC, "doc", 100.0) == {}
     service.on_task_done(wire.TaskDone(sender="prefill-1", worker_index=1, task_id="t", seq=9))
     assert not view.apply(DoneEvent(1, 9, "t"), 100.0)  # the view saw the worker's own number 9
+
+
+@pytest.mark.parametrize("policy", ["pc", "local-pic", "nebula"])
+def test_a_new_leader_never_plans_on_a_peer_it_has_declared_dead(policy):
+    """Regression: with the shared-cores work floor, a dead peer's load once entered the floor, every home tied
+    at it, and a retried request could be planned on the dead peer again and wait forever."""
+    from dataclasses import replace as replaced
+    sent: list[tuple[str, wire.Msg]] = []
+    clock = Clock()
+    peers = ["prefill-0", "prefill-1", "prefill-2"]
+    config = ClusterConfig(num_prefill_workers=3)
+    config = replaced(config, profile=replaced(config.profile, shared_compute=True, node_cores=2.0))
+    service = RouterService("decode-1", peers, ["decode-0", "decode-1"], config, policy,
+                            lambda peer, msg: sent.append((peer, msg)),
+                            lambda spec, ids: "pic-" + "-".join(map(str, ids)), clock=clock)
+    service.activate()  # a fresh leader: it thinks every peer alive until they stay silent
+    clock.now += service.dead_after_s + 0.5
+    for peer in ("prefill-0", "prefill-2", "decode-0"):
+        service.seen(peer)
+    assert service.check_liveness() == ["prefill-1"]
+    sent.clear()
+    for i in range(24):
+        service.on_submit(submit(f"r{i}", [[50 + i] * 40, [80 + i % 3] * 30], route="prefill-1" if i % 2 else ""))
+    assert {peer for peer, m in sent if isinstance(m, (wire.Combine, wire.Scatter))} <= {"prefill-0", "prefill-2"}
+    assert not any(isinstance(m, wire.Failed) for _, m in sent)
+    service.seen("prefill-1")  # it came back
+    sent.clear()
+    for i in range(12):
+        service.on_submit(submit(f"back{i}", [[120 + i] * 40], route="prefill-1"))
+    assert {peer for peer, m in sent if isinstance(m, wire.Combine)} == {"prefill-1"}
+
+
+def test_with_every_prefill_peer_dead_a_request_fails_at_once(router):
+    service, sent, clock = router
+    clock.now += service.dead_after_s + 0.5
+    service.seen("decode-0")
+    assert sorted(service.check_liveness()) == ["prefill-1"]  # the router's own peer is never declared dead
+    service.control.view.set_down(0, True)  # as if prefill-0 were silent too
+    sent.clear()
+    service.on_submit(submit("r9", [[60] * 10]))
+    [(frontend, failed)] = sent
+    assert frontend == "decode-0" and isinstance(failed, wire.Failed) and "every prefill worker is down" in failed.message
+    assert "r9" not in service.in_flight

@@ -14,6 +14,9 @@ whose term no move changes: a move is still accepted iff the estimate drops, and
 spreading cold segments gains nothing and they stay at the home. With dedicated processors F = 0, the paper's
 estimate.
 
+A worker that is down (silent: the router counts it dead) has an infinite Q_w. It is never a home or a helper,
+and its queue is not in F: it holds no processor.
+
 Speed (§9.5): for a fixed home the estimate is max(T_c, R) with R = max over the other workers. A
 move only lowers T_c and raises the target's T, so R is updated in O(1), the least-loaded target comes
 off a heap, and while T_c > R a move is accepted iff the target's new T stays below T_c. A rejected
@@ -47,6 +50,8 @@ from nebula_engine.cluster.control.config import ClusterProfile
 from nebula_engine.cluster.control.messages import Tier
 
 logger = logging.getLogger(__name__)
+
+NO_WORKER_UP = "every prefill worker is down: nothing can take the request"
 
 
 class TransferCosts:
@@ -102,7 +107,7 @@ class TransferCosts:
         (0 when every worker has its own processor)."""
         if math.isinf(self.parallel_forwards):
             return 0.0
-        return (sum(problem.outstanding) + sum(problem.cold)) / self.parallel_forwards
+        return (sum(q for q in problem.outstanding if q < math.inf) + sum(problem.cold)) / self.parallel_forwards
 
     def copy_cost(self, tier: Tier, src: int, home: int) -> float:
         """Per-token cost, in prefill tokens, of reading a copy on ``tier`` at ``src`` and moving it to ``home``."""
@@ -126,7 +131,7 @@ class Hit:
 class PlanningProblem:
     hits: tuple[Hit, ...]
     cold: tuple[int, ...]  # lengths of the cold PIC segments
-    outstanding: tuple[float, ...]  # Q_w, excluding this request
+    outstanding: tuple[float, ...]  # Q_w, excluding this request; infinite for a worker that is down
     combine_cost: float  # C
 
 
@@ -136,6 +141,14 @@ class GreedyPlan:
     cold_workers: tuple[int, ...]  # worker computing each cold segment, in problem order
     hit_sources: tuple[int, ...]  # worker supplying each hit, in problem order
     estimate: float
+
+
+def workers_up(problem: PlanningProblem) -> list[int]:
+    """The workers that can take work (a finite queue); ValueError when none can."""
+    up = [w for w, queue in enumerate(problem.outstanding) if queue < math.inf]
+    if not up:
+        raise ValueError(NO_WORKER_UP)
+    return up
 
 
 def worker_time(queue: float, computed: float, d: float, fixed: float) -> float:
@@ -277,6 +290,9 @@ class GreedyPlanner:
         order = np.argsort(-cold, kind="stable")
         queue = np.array(problem.outstanding, dtype=np.float64)
         by_load = np.argsort(queue, kind="stable")
+        by_load = by_load[np.isfinite(queue[by_load])]  # a worker that is down is neither home nor helper
+        if not by_load.size:
+            raise ValueError(NO_WORKER_UP)
         tokens, extra = supplied_by_source(problem.hits, self.costs)
         estimates, moved = self.kernel.plan_homes(self.costs.matrix, self.costs.latency_matrix,
                                                   self.costs.dispatch_matrix, queue, by_load,
@@ -298,7 +314,7 @@ class GreedyPlanner:
         lengths = [problem.cold[i] for i in order]
         negated = [-length for length in lengths]
         queue = problem.outstanding
-        by_load = sorted((q, w) for w, q in enumerate(queue))
+        by_load = sorted((queue[w], w) for w in workers_up(problem))  # down: neither home nor helper
         position = {w: i for i, (_, w) in enumerate(by_load)}
         single = hit_tokens_by_source([h for h in problem.hits if len(h.holders) == 1], 0, self.costs)
         single_summary = summarise(single, self.costs)

@@ -140,11 +140,12 @@ def plan_homes(to, latency, dispatch, queue, homes, lengths, tokens, extra, floo
     ``latency[c, w]`` is added to w's fixed cost: paid by a source, and by a worker once it computes for c;
     ``dispatch[c, w]`` is added to w's time once it computes for c. ``floor`` is F, the shared processors' time
     for all the work (``TransferCosts.work_floor``): a lower bound on every home's estimate.
+    ``homes`` may leave workers out (down ones): they are neither home nor helper.
     Returns per-home estimates (pruned homes: some value above the final best) and per-home cold
     assignments by rank, complete only for homes that were not pruned.
     """
     workers, segments = queue.shape[0], lengths.shape[0]
-    estimates = np.empty(workers)
+    estimates = np.full(workers, np.inf)  # workers not in ``homes`` (down) stay at infinity
     moved = np.empty((workers, segments), np.int64)
     fixed = np.empty(workers)
     sending = np.empty(workers, np.bool_)

@@ -8,6 +8,7 @@ Algorithm 1; ``locality`` / ``load`` are the §7.1 strawmen). View and cache var
 
 from __future__ import annotations
 
+import math
 import random
 from abc import ABC, abstractmethod
 from dataclasses import replace
@@ -15,7 +16,7 @@ from dataclasses import replace
 from nebula_engine.cluster.control.config import ClusterConfig, ViewConfig
 from nebula_engine.cluster.control.messages import (Action, CacheKind, PrefillPlan, PrefixPlan, SegmentPlan,
                                             Tier)
-from nebula_engine.cluster.control.planner import Hit, PlanningProblem, TransferCosts
+from nebula_engine.cluster.control.planner import NO_WORKER_UP, Hit, PlanningProblem, TransferCosts
 from nebula_engine.cluster.control.request_keys import RequestKeys
 from nebula_engine.cluster.control.schedulers import SCHEDULERS
 from nebula_engine.cluster.control.view import ClusterView
@@ -60,6 +61,8 @@ class PrefixAwarePolicy(Policy):
         costs = [keys.total_tokens - keys.prefix_tokens(depths.get(w, 0)) + view.outstanding_tokens(w)
                  for w in range(view.num_workers)]
         best = min(costs)
+        if best == math.inf:
+            raise ValueError(NO_WORKER_UP)
         ties = [w for w, c in enumerate(costs) if c == best]
         worker = ties[0] if len(ties) == 1 else self.rng.choice(ties)
         return worker, depths.get(worker, 0)

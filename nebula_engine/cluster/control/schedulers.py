@@ -7,7 +7,7 @@ import random
 from abc import ABC, abstractmethod
 
 from nebula_engine.cluster.control.planner import (GreedyPlan, GreedyPlanner, PlanningProblem, TransferCosts,
-                                           estimate, hit_source)
+                                                  estimate, hit_source, workers_up)
 
 
 class Scheduler(ABC):
@@ -40,12 +40,13 @@ class LocalityScheduler(Scheduler):
     """Home = the worker with the most local PC/PIC hit tokens; cold segments computed there."""
 
     def place(self, problem: PlanningProblem) -> GreedyPlan:
-        local = [0] * self.costs.num_workers
+        local = dict.fromkeys(workers_up(problem), 0)
         for hit in problem.hits:
             for worker, _ in hit.holders:
-                local[worker] += hit.num_tokens
-        most = max(local)
-        ties = [w for w, n in enumerate(local) if n == most]
+                if worker in local:
+                    local[worker] += hit.num_tokens
+        most = max(local.values())
+        ties = [w for w, n in local.items() if n == most]
         least_loaded = min(problem.outstanding[w] for w in ties)
         ties = [w for w in ties if problem.outstanding[w] == least_loaded]
         home = ties[0] if len(ties) == 1 else self.rng.choice(ties)
@@ -58,13 +59,13 @@ class LoadScheduler(Scheduler):
     COMBINE = -1
 
     def place(self, problem: PlanningProblem) -> GreedyPlan:
-        load = list(problem.outstanding)
+        load, up = list(problem.outstanding), workers_up(problem)
         tasks = [(length, i) for i, length in enumerate(problem.cold)]
         tasks.append((problem.combine_cost, self.COMBINE))
         tasks.sort(key=lambda task: (-task[0], task[1]))
         cold_workers, home = [0] * len(problem.cold), 0
         for size, index in tasks:
-            worker = min(range(len(load)), key=lambda w: (load[w], w))
+            worker = min(up, key=lambda w: (load[w], w))
             load[worker] += size
             if index == self.COMBINE:
                 home = worker

@@ -12,6 +12,7 @@ Pure logic: time is always an argument, nothing here reads a clock.
 from __future__ import annotations
 
 import heapq
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -48,7 +49,8 @@ class ViewSnapshot:
 class ClusterView:
     """Cache view + load view for ``num_workers`` prefill workers.
 
-    Invariants: ``outstanding_tokens(w)`` is the sum of live reservations on ``w``; a reservation is
+    Invariants: ``outstanding_tokens(w)`` is the sum of live reservations on ``w``, or infinite while ``w`` is
+    down (it will finish nothing: no planner puts work there, and it shares no processor); a reservation is
     released at most once; an unconfirmed record is never returned at or after its expiry time; the
     presence listener hears ``(kind, key, tier, True, tokens)`` when a key gains its first holder on a
     tier and ``False`` when it loses its last one there (an optimistic record counts on the device).
@@ -63,6 +65,7 @@ class ClusterView:
         self._expiry_heap: list[tuple[float, str, str, int]] = []
         self._reservations: dict[str, tuple[int, float]] = {}
         self._outstanding = [0.0] * num_workers
+        self._down: set[int] = set()
         self._last_seq: dict[int, int] = {}
         self._lru_model = [OrderedDict() for _ in range(num_workers)]
         self._lru_used = [0] * num_workers
@@ -94,10 +97,17 @@ class ClusterView:
 
     # ---- load view ----------------------------------------------------------------------------
     def outstanding_tokens(self, worker: int) -> float:
-        return self._outstanding[worker]
+        return math.inf if worker in self._down else self._outstanding[worker]
 
     def outstanding(self) -> list[float]:
-        return list(self._outstanding)
+        return [self.outstanding_tokens(w) for w in range(self.num_workers)]
+
+    def set_down(self, worker: int, down: bool) -> None:
+        """Mark ``worker`` dead (silent) or back; its reservations are kept apart and count again once it is back."""
+        if down:
+            self._down.add(worker)
+        else:
+            self._down.discard(worker)
 
     def reserve(self, task_id: str, worker: int, tokens: float) -> None:
         if task_id in self._reservations:

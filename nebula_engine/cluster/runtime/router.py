@@ -28,8 +28,6 @@ from nebula_engine.cluster.control.request_keys import prompt_keys
 
 logger = logging.getLogger(__name__)
 
-DEAD_LOAD = 1e15  # outstanding tokens that keep the planner off a dead worker
-
 
 @dataclass
 class InFlight:
@@ -129,6 +127,8 @@ class RouterService:
         flight.tasks.update([plan.combine_task_id, *local_tasks])
         self.in_flight[msg.request_id] = flight
         self.num_planned += 1
+        logger.debug("planned %s attempt %d: combine on %s, %d scattered, %d read, decode on %s", msg.request_id,
+                     attempt, home_name, len(flight.tasks) - 1 - len(local_tasks), len(sources), decode or "-")
         self.deliver(home_name, wire.Combine(
             sender=self.name, task_id=plan.combine_task_id, request_id=msg.request_id, attempt=attempt,
             frontend=msg.sender, token_ids=msg.token_ids, segments=msg.segments, params=msg.params,
@@ -164,7 +164,7 @@ class RouterService:
         if peer in self.dead:  # it came back (restarted): plan on it again
             self.dead.discard(peer)
             if peer in self.prefill_peers:
-                self.control.view.release(f"dead/{peer}")
+                self.control.view.set_down(self.prefill_peers.index(peer), False)
 
     # ---- failures ----
     def check_liveness(self) -> list[str]:
@@ -180,7 +180,7 @@ class RouterService:
             if peer in self.prefill_peers:
                 worker = self.prefill_peers.index(peer)
                 self.control.view.forget_worker(worker)
-                self.control.view.reserve(f"dead/{peer}", worker, DEAD_LOAD)
+                self.control.view.set_down(worker, True)
                 for request_id, flight in list(self.in_flight.items()):
                     if flight.home == worker:
                         self._lose(request_id, flight, peer)

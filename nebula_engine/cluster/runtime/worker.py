@@ -197,6 +197,8 @@ class WorkerService:
         start = time.monotonic()
         task = asyncio.current_task()
         self._streams[msg.request_id] = task
+        logger.debug("combine %s attempt %d: %d remote sources, prefix from %s", msg.request_id, msg.attempt,
+                     len(msg.sources), msg.prefix_peer or "-")
         computing: list[str] = []
         try:
             segmented = segmented_from_wire(msg.token_ids, msg.segments)
@@ -231,6 +233,8 @@ class WorkerService:
             logger.exception("combine of %s failed", msg.request_id)
             self._fail(msg, f"prefill failed: {error!r}", client_error=False)
         finally:
+            logger.debug("combine %s attempt %d ended after %.3f s", msg.request_id, msg.attempt,
+                         time.monotonic() - start)
             self._stop_computing(computing)
             self._streams.pop(msg.request_id, None)
             for task_id in [msg.task_id, *msg.local_task_ids]:
