@@ -19,8 +19,9 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 run: install
 	$(BIN)/nebula-engine compare
 
+# two pytest-xdist workers (this project's CI has two cores); tests/conftest.py groups the cluster tests
 test: install
-	$(BIN)/pytest
+	$(BIN)/pytest -n 2 --dist loadgroup
 
 bench: install
 	$(BIN)/python tools/bench_forward.py
