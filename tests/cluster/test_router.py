@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from nebula_engine.cluster.runtime import wire
@@ -169,12 +171,11 @@ def test_events_keep_the_workers_sequence_numbers_and_tiers(router):
 def test_a_new_leader_never_plans_on_a_peer_it_has_declared_dead(policy):
     """Regression: with the shared-cores work floor, a dead peer's load once entered the floor, every home tied
     at it, and a retried request could be planned on the dead peer again and wait forever."""
-    from dataclasses import replace as replaced
     sent: list[tuple[str, wire.Msg]] = []
     clock = Clock()
     peers = ["prefill-0", "prefill-1", "prefill-2"]
     config = ClusterConfig(num_prefill_workers=3)
-    config = replaced(config, profile=replaced(config.profile, shared_compute=True, node_cores=2.0))
+    config = replace(config, profile=replace(config.profile, shared_compute=True, node_cores=2.0))
     service = RouterService("decode-1", peers, ["decode-0", "decode-1"], config, policy,
                             lambda peer, msg: sent.append((peer, msg)),
                             lambda spec, ids: "pic-" + "-".join(map(str, ids)), clock=clock)

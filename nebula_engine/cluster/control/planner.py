@@ -289,10 +289,8 @@ class GreedyPlanner:
         # stable sorts reproduce the Python path's keys (-length, index) and (load, worker)
         order = np.argsort(-cold, kind="stable")
         queue = np.array(problem.outstanding, dtype=np.float64)
-        by_load = np.argsort(queue, kind="stable")
-        by_load = by_load[np.isfinite(queue[by_load])]  # a worker that is down is neither home nor helper
-        if not by_load.size:
-            raise ValueError(NO_WORKER_UP)
+        up = np.array(workers_up(problem), dtype=np.int64)  # a worker that is down is neither home nor helper
+        by_load = up[np.argsort(queue[up], kind="stable")]
         tokens, extra = supplied_by_source(problem.hits, self.costs)
         estimates, moved = self.kernel.plan_homes(self.costs.matrix, self.costs.latency_matrix,
                                                   self.costs.dispatch_matrix, queue, by_load,

@@ -110,7 +110,7 @@ class ClusterSpec:
         data = json.loads(text)
         return cls(tuple(PeerSpec(**p) for p in data["peers"]), data.get("policy", "nebula"), data.get("etcd"),
                    data.get("remote_read_latency_s", cls.remote_read_latency_s),
-                   data.get("scatter_dispatch_s", cls.scatter_dispatch_s), bool(data.get("shared_cores", True)))
+                   data.get("scatter_dispatch_s", cls.scatter_dispatch_s), bool(data.get("shared_cores", cls.shared_cores)))
 
 
 @dataclass(frozen=True)
