@@ -9,9 +9,14 @@ the reused K/V (copy + re-rotation, the same for every backend) are timed apart.
 engine's ordinary forward over the same tokens, PIC off), both measured in the same run.
 Goals (the issue): epic >= 5x faster than full prefill, cacheblend >= 2x.
 
+With --batch N it also times N such requests (the same documents in other orders, other questions) combined as
+one engine step does: one forward for all (``backend.combine_many``, since #15) against one combine after another
+(how a step ran them before), alternating, and prints the ratio.
+
     python tools/bench_pic.py                                   # mistral-like, hidden 512, 8 layers, 8 x 512 + 64
     python tools/bench_pic.py --family qwen3_5                  # hypic on a hybrid model (vs plain prefill)
     python tools/bench_pic.py --threads 1 --profile             # where each combine's time goes
+    python tools/bench_pic.py --num-segments 4 --segment-len 128 --batch 4   # a step's combines, batched or not
 
 Shares the engine harness of tools/pic_quality.py (run from anywhere: this directory is on sys.path).
 """
@@ -19,8 +24,10 @@ Shares the engine harness of tools/pic_quality.py (run from anywhere: this direc
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import random
 import statistics
 import tempfile
 import time
@@ -56,10 +63,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: all cores)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", action="store_true", help="also profile one combine per backend (top ops)")
+    parser.add_argument("--batch", type=int, default=0,
+                        help="also time this many requests combined in one forward against one after another")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
+    if args.batch < 0 or args.batch == 1:
+        parser.error("--batch must be 0 (off) or at least 2")
     return args
 
 
@@ -122,6 +133,51 @@ class CombineBench:
         return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=row_limit)
 
 
+class BatchBench:
+    """``batch`` requests over the same cached documents, each in its own pages: their combines timed one after
+    another and as one ``combine_many`` forward."""
+
+    def __init__(self, harness: PICHarness, prompt: RagPrompt, specs: list[str], batch: int, seed: int):
+        self.harness = harness
+        self.backends = {spec: harness.backend(spec) for spec in specs}
+        rng = random.Random(seed)
+        low, high = harness.vocab_range()
+        self.segmented = []
+        for _ in range(batch):
+            order = list(prompt.order)
+            rng.shuffle(order)
+            question = tuple(rng.randrange(low, high) for _ in prompt.question)
+            self.segmented.append(harness.segmented(dataclasses.replace(prompt, order=tuple(order), question=question)))
+        self.block_tables = [harness.allocate(len(s.token_ids)) for s in self.segmented]
+
+    @torch.inference_mode()
+    def combine(self, spec: str, together: bool) -> float:
+        backend = self.backends[spec]
+        runs = [self.harness.combine_run(backend, s, table) for s, table in zip(self.segmented, self.block_tables)]
+        if together:
+            return timed(lambda: backend.combine_many(runs))
+        return timed(lambda: [backend.combine(run) for run in runs])
+
+    def measure(self, repeats: int) -> dict[str, tuple[float, float]]:
+        """Per backend, median seconds (one after another, together)."""
+        samples = {spec: ([], []) for spec in self.backends}
+        for repeat in range(repeats + 1):  # the first is a warm-up
+            for spec in self.backends:
+                for together in (False, True):
+                    seconds = self.combine(spec, together)
+                    if repeat:
+                        samples[spec][together].append(seconds)
+        return {spec: (statistics.median(apart), statistics.median(joint)) for spec, (apart, joint) in samples.items()}
+
+
+def format_batch(batch: int, medians: dict[str, tuple[float, float]]) -> str:
+    lines = [f"\n{batch} requests' combines in one step (the same documents in other orders, other questions):",
+             f"{'backend':<24} {'one by one ms':>14} {'together ms':>12} {'x':>6}"]
+    for spec, (apart, joint) in medians.items():
+        lines.append(f"{spec:<24} {1e3 * apart:14.1f} {1e3 * joint:12.1f} {apart / joint:6.2f}")
+    return "\n".join(lines)
+
+
 def report(args: argparse.Namespace, medians: dict[str, float], place: float, bench: CombineBench) -> dict:
     baseline = "full" if "full" in medians else PLAIN
     rows = []
@@ -167,13 +223,19 @@ def main(argv: list[str] | None = None) -> dict:
         checkpoint = tiny.write(tmp)
         formats = {get_pic_backend(spec).cache_format for spec in specs}  # segments are cached once per format
         doc_pages = -(-args.segment_len // args.page_size)
-        num_pages = len(formats) * args.num_segments * doc_pages + -(-shape.max_tokens // args.page_size) + 4
+        num_pages = (len(formats) * args.num_segments * doc_pages
+                     + (1 + args.batch) * -(-shape.max_tokens // args.page_size) + 4)
         harness = PICHarness(checkpoint, num_pages, args.page_size)
         prompt = RagPrompt.random(shape, harness.vocab_range(), args.seed)
         bench = CombineBench(harness, prompt, specs)
         medians, place = bench.measure(args.repeats)
         result = report(args, medians, place, bench)
         print(format_report(result))
+        if args.batch:
+            batched = BatchBench(harness, prompt, specs, args.batch, args.seed).measure(args.repeats)
+            result["batch"] = {spec: {"one_by_one_ms": 1e3 * apart, "together_ms": 1e3 * joint}
+                               for spec, (apart, joint) in batched.items()}
+            print(format_batch(args.batch, batched))
         if args.profile:
             for spec in specs:
                 print(f"\n--- profile of one {spec} combine ---\n{bench.profile(spec)}")

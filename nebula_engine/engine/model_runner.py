@@ -84,13 +84,13 @@ class ModelRunner:
         failed: dict[str, Exception] = {}
         prompt_hidden: dict[str, tuple[int, torch.Tensor]] = {}
         parts = self._forward_isolated(output.scheduled, failed, prompt_hidden) if output.scheduled else []
+        combined = self.pic_executor.run_many(output.combines) if output.combines else {}
         for entry in output.combines:
-            try:
-                hidden = self.pic_executor.run(entry)
-                if entry.samples:  # not a resumed sequence, whose output tokens are prefilled next
-                    parts.append(([entry], hidden))
-            except Exception as exc:  # one request's combine prefill
-                self._record_failure(entry, exc, failed)
+            outcome = combined[entry.seq_id]
+            if isinstance(outcome, Exception):  # one request's combine prefill
+                self._record_failure(entry, outcome, failed)
+            elif entry.samples:  # not a resumed sequence, whose output tokens are prefilled next
+                parts.append(([entry], outcome))
         prompt_logprobs = self._prompt_logprobs(output.scheduled, prompt_hidden, failed)
         sampling = [entry for entries, _ in parts for entry in entries]
         if not sampling:  # every sequence is mid-prefill (or failed)

@@ -1,11 +1,12 @@
-"""Runs the PIC prefill of one request on this engine: segment lookup, scatter prefill, combine prefill.
+"""Runs the PIC prefill of a step's requests on this engine: segment lookup, scatter prefill, combine prefill.
 
 For a request admitted with its whole prompt's pages (the prefix-cache hit already in them):
 1. each PIC segment not covered by the prefix is looked up in the PIC store; a cold one is prefilled alone
    (or behind the request's tokens before its first segment, for a backend with ``context="prefix"``) into
    fresh pages and stored (if the pool has no room it is computed in the combine instead);
 2. the cached segments' K/V is copied to the request's slots and re-rotated to its positions;
-3. the request's backend runs the combine prefill and returns the last prompt token's hidden state.
+3. the request's backend runs the combine prefill and returns the last prompt token's hidden state; the
+   requests of one step with the same backend run it as one batched forward (``run_many``).
 Entries stay locked only while their pages are copied. The request's pages then go to the prefix cache as
 any prefill's do, so a later request with the same prefix and PIC backend reuses the combined KV (paper §4.2);
 unless every reused token was recomputed, pages from the first reused token on are cached as approximate K/V of
@@ -15,7 +16,9 @@ the backend's spec, which no PIC-off request ever matches (``radix_cache``'s pro
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -28,8 +31,10 @@ from nebula_engine.kvcache.cache_store import CacheStore
 from nebula_engine.kvcache.pic_store import PICEntry, segment_key
 from nebula_engine.kvcache.pool import KVCacheStorage, OutOfPagesError
 from nebula_engine.pic.backends.base import PICBackend, SegmentPrefill
-from nebula_engine.pic.combine import CachedSegment, CombineRun, place_reused_kv
+from nebula_engine.pic.combine import CachedSegment, CombineResult, CombineRun, place_reused_kv
 from nebula_engine.pic.layout import CombineLayout
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -37,7 +42,16 @@ class PICStats:
     segment_hits: int = 0
     segment_misses: int = 0  # prefilled alone here (scatter prefill)
     segment_skipped: int = 0  # no room to cache: computed in the combine
-    combines: int = 0
+    combines: int = 0  # requests combined
+    combine_forwards: int = 0  # forwards that ran them (a step's requests with one backend share one)
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """A request ready for its combine forward: its reused K/V placed in its pages."""
+
+    run: CombineRun
+    num_hit_tokens: int  # reused tokens whose segment K/V existed before this request
 
 
 class PICExecutor:
@@ -75,6 +89,56 @@ class PICExecutor:
     @torch.inference_mode()
     def run(self, entry: ScheduledSequence) -> torch.Tensor:
         """Prefill ``entry``'s whole prompt after its prefix; returns the last token's hidden state [1, Hd]."""
+        prepared = self._prepare(entry)
+        with self.cache_lock.released():  # writes only the request's pages; the reused K/V was copied in
+            [result] = entry.seq.pic_backend.combine_many([prepared.run])
+        self.stats.combine_forwards += 1
+        return self._finish(entry, prepared, result)
+
+    @torch.inference_mode()
+    def run_many(self, entries: Sequence[ScheduledSequence]) -> dict[str, torch.Tensor | Exception]:
+        """``run`` of each entry, by sequence id: its hidden state, or the exception that stopped it.
+
+        Requests with equal backends share one batched combine forward (``PICBackend.combine_many``). A failure
+        is pinned on the requests that cause it: when a batched forward raises, each of its requests is prepared
+        and combined again alone (its reused K/V placed anew, since the failed forward may have overwritten some).
+        """
+        outcomes: dict[str, torch.Tensor | Exception] = {}
+        groups: dict[PICBackend, list[tuple[ScheduledSequence, _Prepared]]] = {}
+        for entry in entries:
+            try:
+                groups.setdefault(entry.seq.pic_backend, []).append((entry, self._prepare(entry)))
+            except Exception as exc:  # noqa: BLE001 (one request's lookup or placement)
+                outcomes[entry.seq_id] = exc
+        for backend, group in groups.items():
+            try:
+                with self.cache_lock.released():
+                    results = backend.combine_many([prepared.run for _, prepared in group])
+            except Exception as exc:  # noqa: BLE001
+                if len(group) == 1:
+                    outcomes[group[0][0].seq_id] = exc
+                    continue
+                logger.warning("combine of %d requests failed (%r); running each alone to find the cause",
+                               len(group), exc)
+                for entry, _ in group:
+                    outcomes[entry.seq_id] = self._run_alone(entry)
+                continue
+            self.stats.combine_forwards += 1
+            for (entry, prepared), result in zip(group, results):
+                try:
+                    outcomes[entry.seq_id] = self._finish(entry, prepared, result)
+                except Exception as exc:  # noqa: BLE001 (storing one request's states)
+                    outcomes[entry.seq_id] = exc
+        return outcomes
+
+    def _run_alone(self, entry: ScheduledSequence) -> torch.Tensor | Exception:
+        try:
+            return self.run(entry)
+        except Exception as exc:  # noqa: BLE001
+            return exc
+
+    def _prepare(self, entry: ScheduledSequence) -> _Prepared:
+        """Look ``entry``'s segments up (prefilling cold ones), place the reused K/V in its pages, plan the combine."""
         seq, backend = entry.seq, entry.seq.pic_backend
         segmented, prefix_len, num_tokens = seq.segmented, entry.num_computed_tokens, seq.num_prompt_tokens
         pic_segments = segmented.pic_segments
@@ -93,8 +157,8 @@ class PICExecutor:
                     cached[index] = CachedSegment(found.pages, found.num_tokens, found.state)
                     if not made_now:
                         hits.add(index)
-            layout = CombineLayout.plan(num_tokens, prefix_len, [(s.start, s.length) for s in pic_segments],
-                                        [i in cached for i in range(len(pic_segments))])
+            spans = [(s.start, s.length) for s in pic_segments]
+            layout = CombineLayout.plan(num_tokens, prefix_len, spans, [i in cached for i in range(len(pic_segments))])
             device = self.storage.layer_caches[0][0].device
             run = CombineRun(self.model, torch.tensor(seq.token_ids[:num_tokens], device=device), layout,
                              torch.tensor(entry.block_table, dtype=torch.int64, device=device),
@@ -104,15 +168,17 @@ class PICExecutor:
         finally:
             for found in locked:
                 self.cache.pic.unlock(found)
-        with self.cache_lock.released():  # writes only the request's pages; the reused K/V was copied in
-            result = backend.combine(run)
+        hit_layout = CombineLayout.plan(num_tokens, prefix_len, spans, [i in hits for i in range(len(pic_segments))])
+        return _Prepared(run, hit_layout.num_reused)
+
+    def _finish(self, entry: ScheduledSequence, prepared: _Prepared, result: CombineResult) -> torch.Tensor:
+        """Store a hybrid's linear states, record the request's PIC counts; the last token's hidden state."""
+        seq, layout = entry.seq, prepared.run.layout
         if result.linear_states is not None:
             self._store_linear_states(entry.state_slot, result.linear_states)
         if seq.num_preemptions == 0:  # a resumed request reports its first combine's counts, as for its prefix
             seq.num_pic_cached_tokens = layout.num_reused
-            seq.num_pic_hit_tokens = CombineLayout.plan(num_tokens, prefix_len,
-                                                        [(s.start, s.length) for s in pic_segments],
-                                                        [i in hits for i in range(len(pic_segments))]).num_reused
+            seq.num_pic_hit_tokens = prepared.num_hit_tokens
             seq.num_recomputed_tokens = result.num_recomputed
         if result.num_recomputed < layout.num_reused:  # cached K/V kept somewhere: approximate from there on
             seq.num_exact_kv_tokens = min(seq.num_exact_kv_tokens, layout.reused[0].start)

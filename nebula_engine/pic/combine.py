@@ -7,6 +7,7 @@ Legend: N = prompt tokens, F = recomputed rows (sorted positions), S = page size
 holding the exact prefix and the re-rotated reused KV) and the model. ``blended_forward`` runs the model's layer
 loop (``CausalLM.run_layers``) on the rows F only: fresh K/V of F overwrite the placed ones, and row i attends to
 every context key j <= position(i) (the exact partial-causal mask). At check layers a ``RowSelection`` may shrink F.
+``blended_forward_many`` runs the combines of several requests as one forward, each request a sequence of the batch.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from nebula_engine.kernels.attention import AttentionBackend, AttentionContext, AttentionMetadata
@@ -69,17 +71,34 @@ class CombineRun:
 
     def context(self, rows: torch.Tensor, recording: bool = False) -> AttentionContext:
         """Attention for the new rows ``rows`` (sorted positions) of this one request."""
-        count, total = rows.numel(), self.layout.num_tokens
-        suffix = count > 0 and int(rows[0]) == total - count  # sorted and distinct: rows are the last ``count``
-        # a suffix is an ordinary prefill chunk: the backend's causal path, no per-row mask to build
-        meta = AttentionMetadata(query_start_loc=[0, count], seq_lens=[total],
-                                 block_tables=self.block_table[None], slot_mapping=self.slots(rows),
-                                 page_size=self.page_size, query_positions=None if suffix else rows)
-        cls = RecordingAttentionContext if recording else AttentionContext
-        return cls(self.attention_backend, meta, self.kv_caches, self.mla_backend)
+        return combine_context([self], [rows], recording)
+
+    def is_suffix(self, rows: torch.Tensor) -> bool:
+        """``rows`` (sorted, distinct) are the prompt's last ``len(rows)`` positions: an ordinary prefill chunk."""
+        count = rows.numel()
+        return count > 0 and int(rows[0]) == self.layout.num_tokens - count
 
     def positions(self, positions: Sequence[int]) -> torch.Tensor:
         return torch.tensor(positions, dtype=torch.int64, device=self.token_ids.device)
+
+
+def combine_context(runs: Sequence[CombineRun], rows: Sequence[torch.Tensor],
+                    recording: bool = False) -> AttentionContext:
+    """Attention for the rows ``rows[i]`` (sorted positions) of each request ``runs[i]``, side by side in one
+    batch: each request is a sequence of its own, attending only to its own pages. The runs share the model and
+    its caches."""
+    starts = [0]
+    for part in rows:
+        starts.append(starts[-1] + part.numel())
+    # suffixes are ordinary prefill chunks: the backend's causal path, no per-row mask to build
+    suffixes = all(run.is_suffix(part) for run, part in zip(runs, rows))
+    widest = max(run.block_table.numel() for run in runs)
+    tables = torch.stack([F.pad(run.block_table, (0, widest - run.block_table.numel())) for run in runs])
+    meta = AttentionMetadata(query_start_loc=starts, seq_lens=[run.layout.num_tokens for run in runs],
+                             block_tables=tables, slot_mapping=torch.cat([run.slots(p) for run, p in zip(runs, rows)]),
+                             page_size=runs[0].page_size, query_positions=None if suffixes else torch.cat(list(rows)))
+    cls = RecordingAttentionContext if recording else AttentionContext
+    return cls(runs[0].attention_backend, meta, runs[0].kv_caches, runs[0].mla_backend)
 
 
 @dataclass(frozen=True)
@@ -97,33 +116,57 @@ class RowSelection(Protocol):
     def before(self, layer_idx: int, run: CombineRun, rows: torch.Tensor) -> Any: ...
 
     def select(self, layer_idx: int, run: CombineRun, rows: torch.Tensor, before: Any,
-               ctx: RecordingAttentionContext) -> torch.Tensor:
-        """Indices into ``rows`` to keep (sorted); must keep every fresh row."""
+               recorded: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Indices into ``rows`` to keep (sorted); must keep every fresh row. ``recorded``: what the check layer's
+        attention was given for ``rows`` (``RecordingAttentionContext.recorded``)."""
 
 
 def blended_forward(run: CombineRun, rows: torch.Tensor, selection: RowSelection | None = None) -> CombineResult:
     """Decoder layers on rows F only (attention-only models); returns the last token's hidden state."""
-    hook = None if selection is None else _SelectAtCheckLayers(run, selection)
-    out = run.model.run_layers(run.token_ids[rows], rows, run.context(rows), hook)
-    return CombineResult(out.hidden[-1:], run.layout.count_reused(out.positions.tolist()))
+    return blended_forward_many([run], [rows], selection)[0]
 
 
-@dataclass(frozen=True)
+def blended_forward_many(runs: Sequence[CombineRun], rows: Sequence[torch.Tensor],
+                         selection: RowSelection | None = None) -> list[CombineResult]:
+    """``blended_forward`` of several requests in one forward: their rows side by side (``combine_context``), so
+    each layer runs one matmul per weight for all of them. A check layer selects each request's rows apart."""
+    hook = None if selection is None else _SelectAtCheckLayers(runs, selection, [part.numel() for part in rows])
+    token_ids = torch.cat([run.token_ids[part] for run, part in zip(runs, rows)])
+    out = runs[0].model.run_layers(token_ids, torch.cat(list(rows)), combine_context(runs, rows), hook)
+    counts = [part.numel() for part in rows] if hook is None else hook.counts
+    results, end = [], 0
+    for run, count in zip(runs, counts):  # every request keeps its last token, the last of its rows
+        start, end = end, end + count
+        results.append(CombineResult(out.hidden[end - 1:end], run.layout.count_reused(out.positions[start:end].tolist())))
+    return results
+
+
 class _SelectAtCheckLayers:
-    """Layer hook: a check layer runs with a recording context, then only the rows ``selection`` keeps go on."""
+    """Layer hook: a check layer runs with a recording context, then only the rows ``selection`` keeps go on.
+    ``counts``: how many of the batch's rows belong to each request, in order (updated at each check layer)."""
 
-    run: CombineRun
-    selection: RowSelection
+    def __init__(self, runs: Sequence[CombineRun], selection: RowSelection, counts: list[int]):
+        self.runs, self.selection, self.counts = runs, selection, counts
+
+    def _split(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        return list(rows.split(self.counts))
 
     def __call__(self, layer_idx: int, layer: nn.Module, rows: LayerRows) -> LayerRows:
         if layer_idx not in self.selection.check_layers:
             return rows._replace(hidden=layer(*rows))
-        before = self.selection.before(layer_idx, self.run, rows.positions)
-        ctx = self.run.context(rows.positions, recording=True)
+        parts = self._split(rows.positions)
+        befores = [self.selection.before(layer_idx, run, part) for run, part in zip(self.runs, parts)]
+        ctx = combine_context(self.runs, parts, recording=True)
         hidden = layer(rows.positions, rows.hidden, ctx)
-        keep = self.selection.select(layer_idx, self.run, rows.positions, before, ctx)
+        keep, start = [], 0
+        for run, part, before in zip(self.runs, parts, befores):
+            recorded = {name: value[start:start + part.numel()] for name, value in ctx.recorded.items()}
+            keep.append(self.selection.select(layer_idx, run, part, before, recorded) + start)
+            start += part.numel()
+        self.counts = [part.numel() for part in keep]
+        keep = torch.cat(keep)
         positions = rows.positions[keep]
-        return LayerRows(positions, hidden[keep], self.run.context(positions))
+        return LayerRows(positions, hidden[keep], combine_context(self.runs, self._split(positions)))
 
 
 def place_reused_kv(run: CombineRun) -> None:

@@ -97,21 +97,32 @@ def test_hybrid_model_states_survive_the_rerun_of_a_failed_batch(checkpoint_fact
     assert_only_the_culprit_failed(llm, outputs, 1, reference, "breaks this batch")
 
 
-def test_a_failing_combine_prefill_fails_only_its_request(llm, expected, monkeypatch):
+def test_a_failing_combine_prefill_fails_only_its_request(llm, expected, monkeypatch, caplog):
+    """The step's PIC requests share one combine forward; when it raises for one request's input, each is
+    combined again alone and only that one fails."""
+    model = llm.llm_engine.model_runner.model
+    real_run_layers = model.run_layers
+
+    def run_layers(input_ids, *args, **kwargs):  # the combine's forward (a plain forward goes through it too)
+        if (input_ids == POISON).any():
+            raise RuntimeError(f"token {POISON} breaks this combine")
+        return real_run_layers(input_ids, *args, **kwargs)
+
+    tokenizer = llm.get_tokenizer()
+    docs = [("pic", tokenizer.encode(" Paris is the capital of France.")), ("pic", tokenizer.encode(" Rome is in Italy."))]
+    good = [("regular", tokenizer.encode("Read:"))] + docs + [("regular", tokenizer.encode(" Which city?"))]
+    broken = [("regular", tokenizer.encode("Read:"))] + docs + [("regular", [POISON, 5, 6])]
+    [pic_expected] = [o.outputs[0].token_ids for o in llm.generate({"segments": good}, GREEDY, pic_backend="full")]
+    assert POISON not in pic_expected
     executor = llm.llm_engine.model_runner.pic_executor
-    real_run = executor.run
-
-    def run(entry):
-        if "Broken" in (entry.seq.prompt or ""):
-            raise RuntimeError("combine failed for this request")
-        return real_run(entry)
-
-    monkeypatch.setattr(executor, "run", run)
-    docs = "<pic>Paris is the capital of France.</pic> <pic>Rome is in Italy.</pic>"
-    good_pic = f"Read: {docs} Which city?"
-    [pic_expected] = [o.outputs[0].token_ids for o in llm.generate([good_pic], GREEDY, pic_backend="full")]
-    outputs = llm.generate([PROMPTS[0], f"Broken: {docs} Which?", good_pic, PROMPTS[1]], GREEDY, pic_backend="full")
-    assert_only_the_culprit_failed(llm, outputs, 1, [expected[0], pic_expected, expected[1]], "combine failed")
+    forwards_before = executor.stats.combine_forwards
+    monkeypatch.setattr(model, "run_layers", run_layers)
+    outputs = llm.generate([PROMPTS[0], {"segments": broken}, {"segments": good}, PROMPTS[1]], GREEDY,
+                           pic_backend="full")
+    assert_only_the_culprit_failed(llm, outputs, 1, [expected[0], pic_expected, expected[1]],
+                                   f"token {POISON} breaks this combine")
+    assert "combine of 2 requests failed" in caplog.text  # both were in one forward
+    assert executor.stats.combine_forwards - forwards_before == 1  # the good request, alone after the batch failed
 
 
 def test_a_failing_n_request_fails_whole_and_prompt_logprobs_never_outlive_a_failed_request(

@@ -149,6 +149,11 @@ class PICBackend(ABC):
     def combine(self, run: CombineRun) -> CombineResult:
         """Fill the request's remaining K/V (placed reused KV included) and return the last token's hidden state."""
 
+    def combine_many(self, runs: list[CombineRun]) -> list[CombineResult]:
+        """``combine`` of each run (requests of one engine step, one model and pool). Backends whose combine is one
+        blended forward run them as one batch (``blended_forward_many``); this default runs them one by one."""
+        return [self.combine(run) for run in runs]
+
     @abstractmethod
     def combine_cost(self, layout: CombineLayout, num_layers: int) -> float:
         """Estimated combine time in prefill-token units (tokens recomputed through every layer)."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -27,8 +27,7 @@ import torch.nn.functional as F
 from nebula_engine.kernels.pic_dispatch import pic_op
 from nebula_engine.kernels.pic_ops import select_top_tokens
 from nebula_engine.pic.backends.base import PICBackend
-from nebula_engine.pic.combine import (CombineResult, CombineRun, RecordingAttentionContext, blended_forward,
-                                       cached_values)
+from nebula_engine.pic.combine import CombineResult, CombineRun, blended_forward_many, cached_values
 from nebula_engine.pic.backends.static import segment_heads
 from nebula_engine.pic.layout import CombineLayout
 
@@ -53,8 +52,11 @@ class CheckLayerBackend(PICBackend):
             raise ValueError(f"{self.name}: check layer {self.check_layers[-1]} but the model has {num_layers} layers")
 
     def combine(self, run: CombineRun) -> CombineResult:
-        rows = run.positions(range(run.layout.prefix_len, run.layout.num_tokens))
-        return blended_forward(run, rows, self)
+        return self.combine_many([run])[0]
+
+    def combine_many(self, runs: list[CombineRun]) -> list[CombineResult]:
+        rows = [run.positions(range(run.layout.prefix_len, run.layout.num_tokens)) for run in runs]
+        return blended_forward_many(runs, rows, self)
 
     sink: int  # first tokens of each reused segment always kept (within the ratio's budget)
 
@@ -116,7 +118,7 @@ class CacheBlend(CheckLayerBackend):
         reused = self.reused_rows(run, rows)
         return reused, cached_values(run, layer_idx, reused, self.deviation)
 
-    def select(self, layer_idx, run, rows, before, ctx):
+    def select(self, layer_idx, run, rows, before, recorded):
         reused, old = before
         if reused.numel() == 0:
             return torch.arange(rows.numel(), device=rows.device)
@@ -151,7 +153,7 @@ class A3(CheckLayerBackend):
         return None
 
     def select(self, layer_idx: int, run: CombineRun, rows: torch.Tensor, before: Any,
-               ctx: RecordingAttentionContext) -> torch.Tensor:
+               recorded: Mapping[str, torch.Tensor]) -> torch.Tensor:
         reused = self.reused_rows(run, rows)
         if reused.numel() == 0:
             return torch.arange(rows.numel(), device=rows.device)
@@ -160,7 +162,7 @@ class A3(CheckLayerBackend):
             keyed = run.positions(range(run.layout.num_tokens))
         else:
             keyed = reused
-        queries, keys = self._queries_and_keys(run, layer_idx, ctx, question, keyed)
+        queries, keys = self._queries_and_keys(run, layer_idx, recorded, question, keyed)
         logits = queries.flatten(1) @ keys.flatten(1).t() / math.sqrt(queries.shape[1] * queries.shape[2])
         if self.softmax == "context":
             future = keyed[None, :] > rows[question][:, None]
@@ -174,10 +176,9 @@ class A3(CheckLayerBackend):
         return self.keep(run, rows, smoothed, self.ratio)
 
     @staticmethod
-    def _queries_and_keys(run: CombineRun, layer_idx: int, ctx: RecordingAttentionContext,
+    def _queries_and_keys(run: CombineRun, layer_idx: int, recorded: Mapping[str, torch.Tensor],
                           question: torch.Tensor, reused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Question queries [Lq, H, D] and the keys at ``reused`` (positions) [R, H, D] (GQA keys repeated)."""
-        recorded = ctx.recorded
         if "q" in recorded:
             q = recorded["q"][question]
             k = cached_values(run, layer_idx, reused, "key")  # [R, Hkv, D]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from nebula_engine.pic.backends.base import PICBackend
-from nebula_engine.pic.combine import CombineResult, CombineRun, blended_forward
+from nebula_engine.pic.combine import CombineResult, CombineRun, blended_forward_many
 from nebula_engine.pic.layout import CombineLayout
 
 
@@ -21,7 +21,10 @@ class StaticRowsBackend(PICBackend):
         raise NotImplementedError
 
     def combine(self, run: CombineRun) -> CombineResult:
-        return blended_forward(run, run.positions(self.rows(run.layout)))
+        return self.combine_many([run])[0]
+
+    def combine_many(self, runs: list[CombineRun]) -> list[CombineResult]:
+        return blended_forward_many(runs, [run.positions(self.rows(run.layout)) for run in runs])
 
     def combine_cost(self, layout: CombineLayout, num_layers: int) -> float:
         return float(len(self.rows(layout)))
