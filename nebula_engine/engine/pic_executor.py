@@ -108,13 +108,13 @@ class PICExecutor:
         for entry in entries:
             try:
                 groups.setdefault(entry.seq.pic_backend, []).append((entry, self._prepare(entry)))
-            except Exception as exc:  # noqa: BLE001 (one request's lookup or placement)
+            except Exception as exc:  # one request's lookup or placement
                 outcomes[entry.seq_id] = exc
         for backend, group in groups.items():
             try:
                 with self.cache_lock.released():
                     results = backend.combine_many([prepared.run for _, prepared in group])
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 if len(group) == 1:
                     outcomes[group[0][0].seq_id] = exc
                     continue
@@ -127,14 +127,14 @@ class PICExecutor:
             for (entry, prepared), result in zip(group, results):
                 try:
                     outcomes[entry.seq_id] = self._finish(entry, prepared, result)
-                except Exception as exc:  # noqa: BLE001 (storing one request's states)
+                except Exception as exc:  # storing one request's states
                     outcomes[entry.seq_id] = exc
         return outcomes
 
     def _run_alone(self, entry: ScheduledSequence) -> torch.Tensor | Exception:
         try:
             return self.run(entry)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             return exc
 
     def _prepare(self, entry: ScheduledSequence) -> _Prepared:
