@@ -74,6 +74,8 @@ class CompareOptions:
     remote_read_latency_s: float = ClusterSpec.remote_read_latency_s
     scatter_dispatch_s: float = ClusterSpec.scatter_dispatch_s  # and per cold segment scattered to another peer
     shared_cores: bool = ClusterSpec.shared_cores  # the planner knows the peers share this machine's cores
+    # the two fixed costs above are where the planner starts; then it charges what reads and scatters take
+    observe_transfer_costs: bool = ClusterSpec.observe_transfer_costs
     log_level: str = "warning"  # the peers' (debug: each combine's remote KV wait, each read's pin and store times)
 
     @property
@@ -84,7 +86,8 @@ class CompareOptions:
 def run_policy(model: str, policy: str, requests, options: CompareOptions, log_dir: Path) -> dict:
     spec = local_spec(options.prefill_workers, options.decode_workers, policy=policy,
                       remote_read_latency_s=options.remote_read_latency_s,
-                      scatter_dispatch_s=options.scatter_dispatch_s, shared_cores=options.shared_cores)
+                      scatter_dispatch_s=options.scatter_dispatch_s, shared_cores=options.shared_cores,
+                      observe_transfer_costs=options.observe_transfer_costs)
     engine = {"page_size": options.page_size, "num_pages": options.num_pages,
               "pic_backend": None if options.pic_backend == "none" else options.pic_backend}
     settings = PeerSettings(peer_timeout_s=options.peer_timeout_s, failover_timeout_s=2 * options.peer_timeout_s)
@@ -239,6 +242,10 @@ def plot_compare(path: Path, rows: list[dict], bound: float | None, title: str) 
 @click.option("--shared-cores/--no-shared-cores", default=CompareOptions.shared_cores, show_default=True,
               help="Whether the planner knows that the peers share this machine's cores (the cluster spec's "
                    "shared_cores; off: it plans as if each peer had processors of its own, Algorithm 1).")
+@click.option("--observe-transfer-costs/--fixed-transfer-costs", default=CompareOptions.observe_transfer_costs,
+              show_default=True,
+              help="Whether the planner's read latency and scatter dispatch follow what the peers measure reads and "
+                   "scatters take (the cluster spec's observe_transfer_costs; fixed: the two values above).")
 @click.option("--log-level", type=click.Choice(("debug", "info", "warning", "error")),
               default=CompareOptions.log_level, show_default=True,
               help="The peers' log level (debug: per combine, how long its remote KV took).")

@@ -78,10 +78,11 @@ def test_the_spec_carries_the_planners_fixed_costs(field):
         ClusterSpec((peer,), **{field: -1.0})
 
 
-def test_the_spec_carries_whether_peers_share_cores():
+@pytest.mark.parametrize("field", ["shared_cores", "observe_transfer_costs"])
+def test_the_spec_carries_its_planner_switches(field):
     peer = PeerSpec("p", "prefill", "127.0.0.1", 1, 2, 3, 0)
-    spec = ClusterSpec((peer,), shared_cores=False)
-    assert ClusterSpec.from_json(spec.to_json()).shared_cores is False
+    spec = ClusterSpec((peer,), **{field: False})
+    assert getattr(ClusterSpec.from_json(spec.to_json()), field) is False
     data = json.loads(spec.to_json())
-    del data["shared_cores"]  # a spec written before the field existed
-    assert ClusterSpec.from_json(json.dumps(data)).shared_cores is True
+    del data[field]  # a spec written before the field existed
+    assert getattr(ClusterSpec.from_json(json.dumps(data)), field) is True

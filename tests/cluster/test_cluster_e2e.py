@@ -71,9 +71,12 @@ def model_dir(checkpoint_factory):
 @pytest.fixture(scope="module")
 def cluster(model_dir, tmp_path_factory):
     """2 prefill + 1 decode peers, nebula policy, an API key, a small request-body limit."""
-    # no fixed cost on remote reads: the tiny model's segments are planned where they are (the data plane under
-    # test); whether a read pays for itself is the planner's decision, tested in test_policies / test_planner
-    with LocalCluster(model_dir, local_spec(2, 1, remote_read_latency_s=0.0, scatter_dispatch_s=0.0, shared_cores=False), ENGINE, log_dir=tmp_path_factory.mktemp("logs"),
+    # no fixed cost on remote reads, and none learnt from the reads: the tiny model's segments are planned where they
+    # are (the data plane under test); whether a read pays for itself is the planner's decision, tested in
+    # test_policies / test_planner / test_router
+    spec = local_spec(2, 1, remote_read_latency_s=0.0, scatter_dispatch_s=0.0, shared_cores=False,
+                      observe_transfer_costs=False)
+    with LocalCluster(model_dir, spec, ENGINE, log_dir=tmp_path_factory.mktemp("logs"),
                       settings=PeerSettings(api_key=API_KEY, max_request_bytes=MAX_REQUEST_BYTES)) as running:
         yield running
 

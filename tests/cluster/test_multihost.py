@@ -118,7 +118,8 @@ class Cluster:
         self.lab, self.model = lab, model
         peers = tuple(PeerSpec(name, role, f"{SUBNET}.{host}", worker_index=index, **PORTS)
                       for name, role, index, host in PEERS)
-        self.spec = ClusterSpec(peers, remote_read_latency_s=0.0, scatter_dispatch_s=0.0)  # every read planned
+        self.spec = ClusterSpec(peers, remote_read_latency_s=0.0, scatter_dispatch_s=0.0,  # every read planned
+                                observe_transfer_costs=False)
         spec_file = log_dir / "cluster.json"
         spec_file.write_text(self.spec.to_json())
         self.client = lab.add_member("client", CLIENT_HOST)

@@ -35,6 +35,11 @@ class ControlPlane:
         self.view = ClusterView(config.num_prefill_workers, view_config(self.view_name, config),
                                 listener=self.cache_manager.on_presence)
 
+    def set_costs(self, costs: TransferCosts) -> None:
+        """Plan from now on with ``costs`` (``ObservedTransferCosts``: what transfers take at the current load)."""
+        self.costs = costs
+        self.policy.set_costs(costs)
+
     def on_request(self, keys: RequestKeys, now: float, home: int | None = None) -> Decision:
         """Plan one request (FIFO order), record it in the view, and feed the cache manager.
 

@@ -40,6 +40,9 @@ class Policy(ABC):
     def plan(self, keys: RequestKeys, view: ClusterView, now: float) -> PrefillPlan:
         ...
 
+    def set_costs(self, costs: TransferCosts) -> None:
+        self.costs = costs
+
     def _build(self, keys: RequestKeys, home: int, prefix: PrefixPlan | None,
                segments: tuple[SegmentPlan, ...], combine_tokens: float, estimate: float = 0.0):
         return PrefillPlan(request_id=keys.request_id, combine_home=home,
@@ -97,6 +100,10 @@ class NebulaPolicy(Policy):
         if scheduler not in SCHEDULERS:
             raise ValueError(f"unknown scheduler {scheduler!r}; choose from {sorted(SCHEDULERS)}")
         self.scheduler = SCHEDULERS[scheduler](costs, config.seed)
+
+    def set_costs(self, costs: TransferCosts) -> None:
+        super().set_costs(costs)
+        self.scheduler.set_costs(costs)
 
     def plan(self, keys: RequestKeys, view: ClusterView, now: float) -> PrefillPlan:
         depths = view.prefix_matches(keys.pc_keys, now)

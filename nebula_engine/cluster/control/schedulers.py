@@ -19,6 +19,9 @@ class Scheduler(ABC):
     def place(self, problem: PlanningProblem) -> GreedyPlan:
         """Choose a combine home, a source per hit and a worker per cold segment."""
 
+    def set_costs(self, costs: TransferCosts) -> None:
+        self.costs = costs
+
     def _finish(self, problem: PlanningProblem, home: int, cold_workers: list[int]) -> GreedyPlan:
         sources = tuple(hit_source(hit, home, self.costs) for hit in problem.hits)
         return GreedyPlan(home, tuple(cold_workers), sources,
@@ -31,6 +34,10 @@ class GreedyScheduler(Scheduler):
     def __init__(self, costs: TransferCosts, seed: int = 0):
         super().__init__(costs, seed)
         self.planner = GreedyPlanner(costs, seed)
+
+    def set_costs(self, costs: TransferCosts) -> None:
+        super().set_costs(costs)
+        self.planner.costs = costs
 
     def place(self, problem: PlanningProblem) -> GreedyPlan:
         return self.planner.plan(problem)

@@ -60,7 +60,8 @@ def _ephemeral_range() -> tuple[int, int]:
 def local_spec(num_prefill: int, num_decode: int, host: str = LOOPBACK, port: int = 0, policy: str = "nebula",
                etcd: str | None = None, remote_read_latency_s: float = ClusterSpec.remote_read_latency_s,
                scatter_dispatch_s: float = ClusterSpec.scatter_dispatch_s,
-               shared_cores: bool = ClusterSpec.shared_cores) -> ClusterSpec:
+               shared_cores: bool = ClusterSpec.shared_cores,
+               observe_transfer_costs: bool = ClusterSpec.observe_transfer_costs) -> ClusterSpec:
     """Peers ``prefill-0..`` then ``decode-0..``; HTTP on ``host``, ports ``port, port+1, ...`` (free ports when 0);
     every other listener on loopback."""
     if num_prefill < 1 or num_decode < 0:
@@ -75,7 +76,8 @@ def local_spec(num_prefill: int, num_decode: int, host: str = LOOPBACK, port: in
         name = f"prefill-{i}" if role == "prefill" else f"decode-{i - num_prefill}"
         peers.append(PeerSpec(name, role, LOOPBACK, internal[2 * i], internal[2 * i + 1], http[i], index,
                               http_host="" if host == LOOPBACK else host))
-    return ClusterSpec(tuple(peers), policy, etcd, remote_read_latency_s, scatter_dispatch_s, shared_cores)
+    return ClusterSpec(tuple(peers), policy, etcd, remote_read_latency_s, scatter_dispatch_s, shared_cores,
+                       observe_transfer_costs)
 
 
 class LocalCluster:

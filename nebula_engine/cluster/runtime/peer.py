@@ -77,8 +77,8 @@ class Peer:
         config = measured_cluster_config(self.spec, self.port.kv_geometry, await self.port.prefill_seconds_per_token())
         self.router = RouterService(self.name, [p.name for p in self.spec.prefill_peers],
                                     [p.name for p in self.spec.decode_peers], config, self.spec.policy,
-                                    self.send, self._pic_key,
-                                    dead_after_s=settings.peer_timeout_s)
+                                    self.send, self._pic_key, dead_after_s=settings.peer_timeout_s,
+                                    observe_transfers=self.spec.observe_transfer_costs)
         self.election = make_election(self._election_spec())
         self.frontend = ClusterFrontend(self.name, self.engine, self.messenger.send, lambda: self.leader_name,
                                         lambda: self.election.has_quorum, self.dispatch,

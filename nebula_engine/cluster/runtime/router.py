@@ -10,7 +10,8 @@ segment from the dead peer, or had a segment scattered to it, is not re-planned:
 home computes the segment itself. A dead decode peer is the home's to handle (its hand-off fails).
 A router that does not lead refuses submissions (``NotLeader``); one it cannot plan fails them. A new leader
 starts with no requests in flight (front ends resubmit theirs) and rebuilds its view from every worker's
-snapshot.
+snapshot. The fixed costs of reads and scatters the planner charges follow what the homes report each read took
+(``TaskDone.transfers``, ``ObservedTransferCosts``); a new leader starts again from the configured ones.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from nebula_engine.cluster.runtime import wire
 from nebula_engine.cluster.control.config import ClusterConfig
 from nebula_engine.cluster.control.control_plane import ControlPlane
 from nebula_engine.cluster.control.messages import Action, DoneEvent
+from nebula_engine.cluster.control.observed_costs import ObservedTransferCosts
+from nebula_engine.cluster.control.planner import TransferCosts
 from nebula_engine.cluster.control.request_keys import prompt_keys
 
 logger = logging.getLogger(__name__)
@@ -41,7 +44,10 @@ class InFlight:
 class RouterService:
     def __init__(self, name: str, prefill_peers: list[str], decode_peers: list[str], config: ClusterConfig,
                  policy: str, send: Callable[[str, wire.Msg], None], pic_key: Callable[[str | None, list[int]], str],
-                 dead_after_s: float = 3.0, clock: Callable[[], float] = time.monotonic):
+                 dead_after_s: float = 3.0, clock: Callable[[], float] = time.monotonic,
+                 observe_transfers: bool = True):
+        """``observe_transfers``: plan with the read latency and scatter dispatch the homes report
+        (``ObservedTransferCosts``) instead of ``config``'s fixed values."""
         self.name = name
         self.prefill_peers = prefill_peers
         self.decode_peers = decode_peers
@@ -51,8 +57,10 @@ class RouterService:
         self.pic_key = pic_key
         self.dead_after_s = dead_after_s
         self.clock = clock
+        self.observe_transfers = observe_transfers
         self.active = False
         self.control: ControlPlane | None = None
+        self.observed: ObservedTransferCosts | None = None
         self.in_flight: dict[str, InFlight] = {}
         self.last_seen: dict[str, float] = {}
         self.dead: set[str] = set()
@@ -63,6 +71,7 @@ class RouterService:
     def activate(self) -> None:
         """This peer just became the leader: fresh view, ask every prefill worker for its cache index."""
         self.control = ControlPlane(self.config, self.policy)
+        self.observed = ObservedTransferCosts(self.config.profile) if self.observe_transfers else None
         self.in_flight.clear()
         now = self.clock()
         self.last_seen = {peer: now for peer in self.prefill_peers + self.decode_peers}
@@ -148,6 +157,18 @@ class RouterService:
         flight = self.in_flight.get(msg.request_id)
         if flight is not None and msg.task_id == flight.combine_task:
             del self.in_flight[msg.request_id]
+        if msg.transfers and self.observed is not None:
+            self._observe(msg.transfers)
+
+    def _observe(self, transfers: list[wire.TransferTime]) -> None:
+        for transfer in transfers:
+            if transfer.scattered:
+                self.observed.observe_scatter(transfer.seconds, transfer.num_tokens)
+            else:
+                self.observed.observe_read(transfer.seconds)
+        self.control.set_costs(TransferCosts.from_profile(self.observed.current_profile(), len(self.prefill_peers)))
+        logger.debug("transfer costs now: read latency %.3f s, scatter dispatch %.3f s",
+                     self.observed.read_latency_s, self.observed.dispatch_s)
 
     def on_cache_events(self, msg: wire.CacheEventMsg) -> None:
         if not self.active:

@@ -69,6 +69,9 @@ class ClusterSpec:
     # peers on this one machine share its cores, and the planner bounds a plan by what they can do together
     # (TransferCosts.parallel_forwards); False plans as if each peer had processors of its own (Algorithm 1)
     shared_cores: bool = True
+    # the two fixed costs above are where the router starts: it then charges what the homes report reads and
+    # scatters take (ObservedTransferCosts); False keeps them fixed
+    observe_transfer_costs: bool = True
 
     def __post_init__(self) -> None:
         for name in ("remote_read_latency_s", "scatter_dispatch_s"):
@@ -103,6 +106,7 @@ class ClusterSpec:
     def to_json(self) -> str:
         return json.dumps({"policy": self.policy, "etcd": self.etcd, "remote_read_latency_s": self.remote_read_latency_s,
                            "scatter_dispatch_s": self.scatter_dispatch_s, "shared_cores": self.shared_cores,
+                           "observe_transfer_costs": self.observe_transfer_costs,
                            "peers": [asdict(p) for p in self.peers]})
 
     @classmethod
@@ -110,7 +114,8 @@ class ClusterSpec:
         data = json.loads(text)
         return cls(tuple(PeerSpec(**p) for p in data["peers"]), data.get("policy", "nebula"), data.get("etcd"),
                    data.get("remote_read_latency_s", cls.remote_read_latency_s),
-                   data.get("scatter_dispatch_s", cls.scatter_dispatch_s), bool(data.get("shared_cores", cls.shared_cores)))
+                   data.get("scatter_dispatch_s", cls.scatter_dispatch_s), bool(data.get("shared_cores", cls.shared_cores)),
+                   bool(data.get("observe_transfer_costs", cls.observe_transfer_costs)))
 
 
 @dataclass(frozen=True)

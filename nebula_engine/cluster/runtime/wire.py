@@ -109,11 +109,21 @@ class CacheEventMsg(Msg):
     snapshot: bool = False  # True: the full index (replaces what the router knew of this worker)
 
 
+class TransferTime(msgspec.Struct, array_like=True):
+    """How long one segment read by a combine's home took, from its pin sent to its store."""
+
+    peer: str  # the holder it was read from
+    seconds: float
+    num_tokens: int
+    scattered: bool  # the holder prefilled it for this request (a scatter), else it was cached there
+
+
 class TaskDone(Msg):
     worker_index: int
     task_id: str
     seq: int  # the worker's sequence number of this report (one counter with its cache events)
     request_id: str = ""
+    transfers: list[TransferTime] = []  # a combine's reads, for the router's ObservedTransferCosts
 
 
 # ---- worker <-> worker ----

@@ -200,6 +200,7 @@ class WorkerService:
         logger.debug("combine %s attempt %d: %d remote sources, prefix from %s", msg.request_id, msg.attempt,
                      len(msg.sources), msg.prefix_peer or "-")
         computing: list[str] = []
+        transfers: list[wire.TransferTime] = []
         try:
             segmented = segmented_from_wire(msg.token_ids, msg.segments)
             computing = self._local_keys(msg, segmented)
@@ -213,7 +214,7 @@ class WorkerService:
             waits = bool(remote) or prefix_read is not None
             prefilled_here = self._prefill_here(msg, segmented) if waits and msg.compute_here else None
             copied, _, computed_here = await asyncio.gather(
-                asyncio.gather(*(self._fetch(s, segmented, msg.pic_backend) for s in remote)),
+                asyncio.gather(*(self._fetch(s, segmented, msg.pic_backend, transfers) for s in remote)),
                 prefix_read or asyncio.sleep(0), prefilled_here or asyncio.sleep(0, result=[]))
             copied_keys = {s.key for s, ok in zip(remote, copied) if ok}
             fresh = {s.segment_index for s in remote if s.fresh and s.key in copied_keys} | set(computed_here)
@@ -239,7 +240,8 @@ class WorkerService:
             self._streams.pop(msg.request_id, None)
             for task_id in [msg.task_id, *msg.local_task_ids]:
                 self._report(wire.TaskDone(sender=self.name, worker_index=self.worker_index, task_id=task_id,
-                                           seq=self._take_seqs(1), request_id=msg.request_id))
+                                           seq=self._take_seqs(1), request_id=msg.request_id,
+                                           transfers=transfers if task_id == msg.task_id else []))
 
     async def _prefill_here(self, msg: wire.Combine, segmented: SegmentedPrompt) -> list[int]:
         """Prefill the combine's cold segments planned on this worker into its PIC store; the PIC indices of those
@@ -318,10 +320,12 @@ class WorkerService:
             future.set_result(True)
 
     # ---- remote segments ----
-    async def _fetch(self, source: wire.SourceSpec, segmented: SegmentedPrompt, spec: str | None) -> bool:
-        """Copy segment ``source`` from its holder into the local PIC store; True when it was copied. On any
-        failure it stays uncached here and the combine computes it. Local pages are allocated while the pin
-        travels, so the copy waits for this engine's thread once more (the insert), not twice."""
+    async def _fetch(self, source: wire.SourceSpec, segmented: SegmentedPrompt, spec: str | None,
+                     transfers: list[wire.TransferTime]) -> bool:
+        """Copy segment ``source`` from its holder into the local PIC store; True when it was copied, and its time
+        goes to ``transfers``. On any failure it stays uncached here and the combine computes it. Local pages are
+        allocated while the pin travels, so the copy waits for this engine's thread once more (the insert), not
+        twice."""
         segment = segmented.pic_segments[source.segment_index]
         ids = list(segmented.segment_ids(segment))
         tag = f"{self.name}/{next(self._tags)}"
@@ -352,7 +356,10 @@ class WorkerService:
             return False
         pinned = time.monotonic()
         try:
-            return await self._copy_in(source, ids, reply, pages)
+            copied = await self._copy_in(source, ids, reply, pages)
+            if copied:
+                transfers.append(wire.TransferTime(source.peer, time.monotonic() - start, len(ids), source.fresh))
+            return copied
         finally:
             self.send(source.peer, wire.Unpin(sender=self.name, key=source.key))
             logger.debug("segment of %d tokens from %s: pinned after %.4f s, in the store after %.4f s%s", len(ids),
