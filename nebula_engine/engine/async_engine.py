@@ -12,7 +12,8 @@ Invariants:
 - A request is admitted (``admission.admit``) in ``generate``, on the caller's side, before it is queued; the
   loop thread adds it as admitted.
 - Callers hand commands over through a deque guarded by a condition variable; the loop thread sleeps on it
-  while the engine is idle, so an idle engine costs nothing and a new request wakes it at once.
+  while the engine is idle (or holds only requests whose KV gate is shut), so an idle engine costs nothing and
+  a new request, or a gate that opens, wakes it at once.
 - Each request's outputs are delivered on the caller's own event loop (``call_soon_threadsafe``), in order;
   the last item is a finished ``RequestOutput`` or an exception, after which the request is forgotten.
 - A request whose own work failed inside a step (``RequestOutput.error``) ends with ``EngineError``; the
@@ -34,6 +35,7 @@ import torch
 
 from nebula_engine.config import EngineConfig
 from nebula_engine.engine.admission import ENGINE_DEFAULT, AdmittedRequest, EnginePrompt, admit
+from nebula_engine.engine.kv_gate import KVGate
 from nebula_engine.engine.llm_engine import LLMEngine
 from nebula_engine.engine.outputs import RequestOutput
 from nebula_engine.engine.sampling_params import SamplingParams
@@ -64,6 +66,7 @@ class _Add:
     request_id: str
     request: AdmittedRequest
     hold_kv: bool = False
+    kv_gate: KVGate | None = None
 
 
 @dataclass(frozen=True)
@@ -130,12 +133,13 @@ class AsyncLLMEngine:
         return admit(self.engine, prompt, params, pic_backend)
 
     async def generate(self, request_id: str, prompt: EnginePrompt, params: SamplingParams,
-                       pic_backend: str | None = ENGINE_DEFAULT,
-                       hold_kv: bool = False, route: str | None = None) -> AsyncIterator[RequestOutput]:
+                       pic_backend: str | None = ENGINE_DEFAULT, hold_kv: bool = False, route: str | None = None,
+                       kv_gate: KVGate | None = None) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs of ``request_id`` as they are produced; the last one has ``finished`` set.
 
         Invalid input raises ``ValueError`` on the first iteration, before anything is queued. Leaving the
-        iteration early (``aclose``, cancellation) aborts the request in the engine.
+        iteration early (``aclose``, cancellation) aborts the request in the engine. ``kv_gate``: the request is
+        queued now and scheduled once the gate opens (``LLMEngine.add_admitted``).
         """
         if route is not None:
             raise ValueError("prefill_peer needs a cluster; this server runs one engine")
@@ -144,9 +148,16 @@ class AsyncLLMEngine:
         else:
             request = self.admit(prompt, params, pic_backend)
         channel = _OutputChannel(asyncio.get_running_loop())
-        self._submit(request_id, _Add(request_id, request, hold_kv), channel)
+        if kv_gate is not None:
+            kv_gate.on_open = self._wake
+        self._submit(request_id, _Add(request_id, request, hold_kv, kv_gate), channel)
         async for item in self._drain(request_id, channel):
             yield item
+
+    def _wake(self) -> None:
+        """Let the loop look again for work (a KV gate opened while it slept)."""
+        with self._wakeup:
+            self._wakeup.notify()
 
     def _submit(self, request_id: str, command: _Add, channel: _OutputChannel) -> None:
         with self._wakeup:
@@ -188,11 +199,11 @@ class AsyncLLMEngine:
         return await asyncio.get_running_loop().run_in_executor(self._cache_thread, locked)
 
     async def generate_held(self, request_id: str, prompt: EnginePrompt, params: SamplingParams,
-                            pic_backend: str | None = ENGINE_DEFAULT) -> RequestOutput:
+                            pic_backend: str | None = ENGINE_DEFAULT, kv_gate: KVGate | None = None) -> RequestOutput:
         """Run a request whose pages stay allocated when it finishes (``LLMEngine.release_held`` frees them);
         returns its finished output."""
         last = None
-        async for last in self.generate(request_id, prompt, params, pic_backend, hold_kv=True):
+        async for last in self.generate(request_id, prompt, params, pic_backend, hold_kv=True, kv_gate=kv_gate):
             pass
         return last
 
@@ -265,7 +276,7 @@ class AsyncLLMEngine:
                 for command in commands:
                     with self.engine.cache_lock:
                         self._apply(command)
-                if self.engine.has_unfinished_requests():
+                if self.engine.has_schedulable_requests():
                     self._step()
                 self._stats = EngineStats(len(self.engine.scheduler.waiting), len(self.engine.scheduler.running))
         except BaseException:
@@ -276,7 +287,7 @@ class AsyncLLMEngine:
     def _next_commands(self) -> list[_Add | _Abort] | None:
         """Commands to apply now, waiting while there is nothing to do; None once shutdown is asked."""
         with self._wakeup:
-            while not (self._commands or self._stopping or self.engine.has_unfinished_requests()):
+            while not (self._commands or self._stopping or self.engine.has_schedulable_requests()):
                 self._wakeup.wait()
             if self._stopping:
                 return None
@@ -301,7 +312,8 @@ class AsyncLLMEngine:
         if not self._is_live(command.request_id):
             return  # aborted before it reached the engine
         try:
-            self.engine.add_admitted(command.request_id, command.request, hold_kv=command.hold_kv)
+            self.engine.add_admitted(command.request_id, command.request, hold_kv=command.hold_kv,
+                                     kv_gate=command.kv_gate)
         except Exception as exc:  # the request's fault (ValueError) or the engine's: either way only this one
             self._deliver_last(command.request_id, exc)
             return

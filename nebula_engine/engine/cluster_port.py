@@ -25,6 +25,7 @@ from typing import Any, AsyncIterator, Mapping
 import torch
 
 from nebula_engine.engine.async_engine import AsyncLLMEngine, EnginePrompt, EngineStats
+from nebula_engine.engine.kv_gate import KVGate
 from nebula_engine.engine.llm_engine import LLMEngine
 from nebula_engine.engine.outputs import RequestOutput
 from nebula_engine.engine.sampling_params import SamplingParams
@@ -103,12 +104,13 @@ class EngineClusterPort:
 
     # ---- requests (streamed by the async engine) ----
     def generate(self, request_id: str, prompt: EnginePrompt, params: SamplingParams,
-                 backend_spec) -> AsyncIterator[RequestOutput]:
-        return self._async.generate(request_id, prompt, params, backend_spec)
+                 backend_spec, kv_gate: KVGate | None = None) -> AsyncIterator[RequestOutput]:
+        """``kv_gate``: queued now, scheduled once the KV it waits for has arrived (``LLMEngine.add_admitted``)."""
+        return self._async.generate(request_id, prompt, params, backend_spec, kv_gate=kv_gate)
 
     async def generate_held(self, request_id: str, prompt: EnginePrompt, params: SamplingParams,
-                            backend_spec) -> RequestOutput:
-        return await self._async.generate_held(request_id, prompt, params, backend_spec)
+                            backend_spec, kv_gate: KVGate | None = None) -> RequestOutput:
+        return await self._async.generate_held(request_id, prompt, params, backend_spec, kv_gate=kv_gate)
 
     def generate_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token: int,
                            first_logprob: float, params: SamplingParams, cached: tuple[int, ...],
@@ -189,19 +191,25 @@ class EngineClusterPort:
 
         await self._call(prefill)
 
-    async def prefill_missing_segments(self, backend_spec, segments: list[list[int]]) -> list[bool]:
+    async def prefill_missing_segments(self, backend_spec, segments: list[list[int]],
+                                       then_open: tuple[KVGate, str] | None = None) -> list[bool]:
         """Prefill together the segments the PIC store lacks; per segment, True when this call prefilled it (one
         found on the device or promoted from a lower tier existed before: False). All False for a request without
-        PIC."""
+        PIC. ``then_open``: (gate, part) opened on the engine's thread as soon as the prefill ends, so a combine
+        waiting for these segments can be scheduled in the very next step."""
         def prefill(engine: LLMEngine) -> list[bool]:
-            backend = engine.resolve_request_backend(backend_spec)
-            if backend is None:
-                return [False] * len(segments)
-            entries, created = engine.model_runner.pic_executor.lookup_or_prefill_many(backend, segments)
-            for entry in entries:
-                if entry is not None:
-                    engine.cache_store.pic.unlock(entry)
-            return [entry is not None and made for entry, made in zip(entries, created)]
+            try:
+                backend = engine.resolve_request_backend(backend_spec)
+                if backend is None:
+                    return [False] * len(segments)
+                entries, created = engine.model_runner.pic_executor.lookup_or_prefill_many(backend, segments)
+                for entry in entries:
+                    if entry is not None:
+                        engine.cache_store.pic.unlock(entry)
+                return [entry is not None and made for entry, made in zip(entries, created)]
+            finally:
+                if then_open is not None:
+                    then_open[0].open(then_open[1])
 
         return await self._call(prefill)
 

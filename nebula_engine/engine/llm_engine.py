@@ -11,6 +11,7 @@ import torch
 from nebula_engine.config import EngineConfig, ModelConfig
 from nebula_engine.engine.admission import ENGINE_DEFAULT, AdmittedRequest, admit
 from nebula_engine.engine.kv_cache_builder import KVCache, build_kv_cache
+from nebula_engine.engine.kv_gate import KVGate
 from nebula_engine.engine.model_runner import ModelRunner, latent_attention_backend
 from nebula_engine.engine.output_processor import OutputProcessor
 from nebula_engine.engine.pic_executor import PICExecutor
@@ -100,16 +101,18 @@ class LLMEngine:
         PIC, same token ids)."""
         self.add_admitted(request_id, admit(self, prompt_token_ids, params, pic_backend, prompt), hold_kv)
 
-    def add_admitted(self, request_id: str, request: AdmittedRequest, hold_kv: bool = False) -> None:
-        """Queue a request admitted for this engine; it is not checked again."""
+    def add_admitted(self, request_id: str, request: AdmittedRequest, hold_kv: bool = False,
+                     kv_gate: KVGate | None = None) -> None:
+        """Queue a request admitted for this engine; it is not checked again. ``kv_gate``: it is not scheduled
+        before that gate opens (KV it needs is still arriving), and keeps its place in the queue meanwhile."""
         if request_id in self._sequences or request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         if request.params.n > 1:
-            self._add_parent(request_id, request, hold_kv)
+            self._add_parent(request_id, request, hold_kv, kv_gate)
             return
-        self._add_sequence(request_id, request, request.params, hold_kv)
+        self._add_sequence(request_id, request, request.params, hold_kv, kv_gate)
 
-    def _add_parent(self, request_id: str, request: AdmittedRequest, hold_kv: bool) -> None:
+    def _add_parent(self, request_id: str, request: AdmittedRequest, hold_kv: bool, kv_gate: KVGate | None) -> None:
         if hold_kv:
             raise ValueError("n > 1 cannot hold its pages for a prefill -> decode hand-off")
         parent = ParentRequest(request_id, request.params.n)
@@ -119,18 +122,24 @@ class LLMEngine:
         self._parents[request_id] = parent
         for index, child_id in enumerate(parent.child_ids):
             self._parent_of[child_id] = parent
-            self._add_sequence(child_id, request, request.params.for_completion(index), False)
+            self._add_sequence(child_id, request, request.params.for_completion(index), False, kv_gate)
 
-    def _add_sequence(self, request_id: str, request: AdmittedRequest, params: SamplingParams, hold_kv: bool) -> None:
+    def _add_sequence(self, request_id: str, request: AdmittedRequest, params: SamplingParams, hold_kv: bool,
+                      kv_gate: KVGate | None = None) -> None:
         backend = request.backend if request.segmented is not None else None  # it combines PIC segments only
         seq = Sequence(request_id, request.token_ids, params, request.text, request.segmented, backend)
         seq.hold_kv = hold_kv
+        seq.kv_gate = kv_gate
         self._sequences[request_id] = seq
         self.output_processor.add(seq)
         self.scheduler.add(seq)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def has_schedulable_requests(self) -> bool:
+        """A step would do something: unfinished requests other than those waiting for their KV gate."""
+        return self.scheduler.has_schedulable()
 
     def reset_prefix_cache(self) -> bool:
         """Empty the device's prefix cache and PIC store (vLLM's ``reset_prefix_cache``): every entry leaves the
@@ -259,7 +268,7 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         output = self.scheduler.schedule()
         if output.is_empty:
-            if self.scheduler.has_unfinished():
+            if self.scheduler.has_schedulable():  # (requests waiting for their KV gate only: nothing to do yet)
                 raise RuntimeError("scheduler made no progress with requests pending (pool too small?)")
             return []
         result = self.model_runner.execute_model(output)

@@ -76,6 +76,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def has_schedulable(self) -> bool:
+        """Something a step can do: a running sequence, or a waiting one whose KV gate is open."""
+        return bool(self.running) or any(not seq.waits_for_kv for seq in self.waiting)
+
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
@@ -121,10 +125,14 @@ class Scheduler:
         """Admit waiting sequences in order. A PIC prompt is not chunked: its combine prefill needs the rest of the
         prompt at once. When that does not fit the step's leftover budget it keeps its place and later sequences
         are admitted past it, but at most ``max_num_seqs`` of them: then nobody passes it, the running set drains
-        and it gets a step's budget (or runs alone when it exceeds the budget)."""
+        and it gets a step's budget (or runs alone when it exceeds the budget). A sequence whose KV gate is shut
+        keeps its place too, and passing it is not counted."""
         index = 0
         while index < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[index]
+            if seq.waits_for_kv:
+                index += 1
+                continue
             if self._waits_for_cache_io(seq, scheduled):
                 break
             self._match_prefix(seq)
@@ -147,7 +155,8 @@ class Scheduler:
             self.kv_cache.allocate_slots(seq.seq_id, num_slots)
             del self.waiting[index]
             for passed in itertools.islice(self.waiting, index):
-                passed.num_times_passed += 1
+                if not passed.waits_for_kv:
+                    passed.num_times_passed += 1
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             (combines if combine else scheduled).append(self._entry(seq, num_new))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import sys
 
+from nebula_engine.engine.kv_gate import KVGate
 from nebula_engine.engine.sampling_params import SamplingParams
 
 
@@ -43,6 +44,11 @@ class Sequence:
         # later requests admitted while it waited (a PIC prompt may be passed; the scheduler bounds how often)
         self.num_times_passed = 0
         self.hold_kv = False  # keep the pages after finishing, until the engine releases them
+        self.kv_gate: KVGate | None = None  # shut while KV it needs is still arriving (a cluster combine)
+
+    @property
+    def waits_for_kv(self) -> bool:
+        return self.kv_gate is not None and not self.kv_gate.is_open
 
     def __repr__(self) -> str:
         return (f"Sequence({self.seq_id!r}, {self.status.value}, tokens={self.num_tokens}, "

@@ -36,6 +36,7 @@ from nebula_engine.cluster.runtime.liveness import Liveness
 from nebula_engine.cluster.control.request_keys import prompt_keys
 from nebula_engine.cluster.runtime.transfer import KVTransferAgent, TransferError
 from nebula_engine.engine.cluster_port import EngineClusterPort, PrefixPin, SegmentPin
+from nebula_engine.engine.kv_gate import KVGate
 from nebula_engine.engine.outputs import RequestOutput
 from nebula_engine.engine.sampling_params import SamplingParams
 from nebula_engine.engine.structured_outputs import StructuredOutputsParams
@@ -86,6 +87,15 @@ def output_to_wire(sender: str, request_id: str, output: RequestOutput, attempt:
                        stop_reason=completion.stop_reason,
                        cached=[output.num_prefix_cached_tokens, output.num_pic_cached_tokens,
                                output.num_recomputed_tokens, hits], handoff_to=handoff_to)
+
+
+async def _opening(awaitable, gate: KVGate | None, part: str):
+    """``awaitable``'s result; ``gate``'s ``part`` opens when it ends, however it ends."""
+    try:
+        return await awaitable
+    finally:
+        if gate is not None:
+            gate.open(part)
 
 
 def reused_tokens(segmented: SegmentedPrompt, prefix_len: int, indices: set[int]) -> int:
@@ -201,6 +211,7 @@ class WorkerService:
                      len(msg.sources), msg.prefix_peer or "-")
         computing: list[str] = []
         transfers: list[wire.TransferTime] = []
+        kv = fresh = None
         try:
             segmented = segmented_from_wire(msg.token_ids, msg.segments)
             computing = self._local_keys(msg, segmented)
@@ -210,21 +221,32 @@ class WorkerService:
             remote = [s for s in msg.sources if s.peer and s.peer != self.name]
             prefix_read = self._fetch_prefix(msg) if msg.prefix_peer and msg.prefix_peer != self.name else None
             # while remote KV is pinned and read, the cold segments planned here are prefilled (else the combine
-            # would compute them only after the last read)
+            # would compute them only after the last read), and the combine waits in the engine's queue behind a
+            # KV gate that opens when both are done (else it would queue only then)
             waits = bool(remote) or prefix_read is not None
-            prefilled_here = self._prefill_here(msg, segmented) if waits and msg.compute_here else None
-            copied, _, computed_here = await asyncio.gather(
-                asyncio.gather(*(self._fetch(s, segmented, msg.pic_backend, transfers) for s in remote)),
-                prefix_read or asyncio.sleep(0), prefilled_here or asyncio.sleep(0, result=[]))
-            copied_keys = {s.key for s, ok in zip(remote, copied) if ok}
-            fresh = {s.segment_index for s in remote if s.fresh and s.key in copied_keys} | set(computed_here)
-            if waits:
-                logger.debug("combine %s: read %d/%d remote segments, prefilled %d here; KV ready after %.3f s",
-                             msg.request_id, len(copied_keys), len(remote), len(computed_here), time.monotonic() - start)
+            local_prefill = waits and bool(msg.compute_here)
+            gate = KVGate(["reads"] + ["prefill"] * local_prefill) if waits else None
+            reads = asyncio.gather(asyncio.gather(*(self._fetch(s, segmented, msg.pic_backend, transfers)
+                                                    for s in remote)), prefix_read or asyncio.sleep(0))
+            kv = asyncio.ensure_future(asyncio.gather(
+                _opening(reads, gate, "reads"),
+                self._prefill_here(msg, segmented, gate) if local_prefill else asyncio.sleep(0, result=[])))
+
+            async def fresh_indices() -> set[int]:
+                """PIC indices of the segments prefilled for this request (read from a scatter or made here)."""
+                (copied, _), computed_here = await kv
+                copied_keys = {s.key for s, ok in zip(remote, copied) if ok}
+                if waits:
+                    logger.debug("combine %s: read %d/%d remote segments, prefilled %d here; KV ready after %.3f s",
+                                 msg.request_id, len(copied_keys), len(remote), len(computed_here),
+                                 time.monotonic() - start)
+                return {s.segment_index for s in remote if s.fresh and s.key in copied_keys} | set(computed_here)
+
+            fresh = asyncio.ensure_future(fresh_indices())
             if msg.decode_peer and msg.decode_peer != self.name and self.liveness.alive(msg.decode_peer):
-                await self._prefill_and_hand_off(msg, segmented, params, backend, fresh)
+                await self._prefill_and_hand_off(msg, segmented, params, backend, fresh, gate)
             else:
-                await self._serve_locally(msg, segmented, params, backend, fresh)
+                await self._serve_locally(msg, segmented, params, backend, fresh, gate)
             self._report_prompt_cached(segmented, msg.pic_backend)
         except ValueError as error:  # (the request's own fault: bad backend for this model, ...)
             self._fail(msg, str(error), client_error=True)
@@ -234,6 +256,9 @@ class WorkerService:
             logger.exception("combine of %s failed", msg.request_id)
             self._fail(msg, f"prefill failed: {error!r}", client_error=False)
         finally:
+            for pending in (kv, fresh):  # the combine ended first (failed, cancelled): stop its reads
+                if pending is not None and not pending.done():
+                    pending.cancel()
             logger.debug("combine %s attempt %d ended after %.3f s", msg.request_id, msg.attempt,
                          time.monotonic() - start)
             self._stop_computing(computing)
@@ -243,16 +268,19 @@ class WorkerService:
                                            seq=self._take_seqs(1), request_id=msg.request_id,
                                            transfers=transfers if task_id == msg.task_id else []))
 
-    async def _prefill_here(self, msg: wire.Combine, segmented: SegmentedPrompt) -> list[int]:
-        """Prefill the combine's cold segments planned on this worker into its PIC store; the PIC indices of those
-        it computed (their tokens are no cache hits when the combine finds them). On failure the combine computes
+    async def _prefill_here(self, msg: wire.Combine, segmented: SegmentedPrompt, gate: KVGate) -> list[int]:
+        """Prefill the combine's cold segments planned on this worker into its PIC store, then open ``gate``'s
+        "prefill" part (on the engine thread, so the combine can run in the next step); the PIC indices of those it
+        computed (their tokens are no cache hits when the combine finds them). On failure the combine computes
         them itself."""
         segments = [list(segmented.segment_ids(segmented.pic_segments[index])) for index in msg.compute_here]
         try:
-            made = await self.engine.prefill_missing_segments(msg.pic_backend, segments)
+            made = await self.engine.prefill_missing_segments(msg.pic_backend, segments, then_open=(gate, "prefill"))
         except Exception:
             logger.exception("prefilling the local segments of %s failed; the combine computes them", msg.request_id)
             return []
+        finally:
+            gate.open("prefill")  # (already open unless the call never ran)
         return [index for index, made_here in zip(msg.compute_here, made) if made_here]
 
     def _fail(self, msg: wire.Combine | wire.Handoff, message: str, client_error: bool,
@@ -260,17 +288,20 @@ class WorkerService:
         self.send(msg.frontend, wire.Failed(sender=self.name, request_id=msg.request_id, attempt=msg.attempt,
                                             message=message, client_error=client_error, resumable=resumable))
 
-    async def _serve_locally(self, msg: wire.Combine, segmented, params, backend, fresh: set[int]) -> None:
+    async def _serve_locally(self, msg: wire.Combine, segmented, params, backend, fresh: asyncio.Future,
+                             gate: KVGate | None) -> None:
         engine_id = engine_request_id(msg.request_id, msg.attempt)
-        async for output in self.engine.generate(engine_id, segmented, params, backend):
-            fresh_tokens = reused_tokens(segmented, output.num_prefix_cached_tokens, fresh)
+        async for output in self.engine.generate(engine_id, segmented, params, backend, kv_gate=gate):
+            fresh_tokens = reused_tokens(segmented, output.num_prefix_cached_tokens, await fresh)
             self.send(msg.frontend, output_to_wire(self.name, msg.request_id, output, msg.attempt,
                                                    fresh_tokens=fresh_tokens))
 
-    async def _prefill_and_hand_off(self, msg: wire.Combine, segmented, params, backend, fresh: set[int]) -> None:
+    async def _prefill_and_hand_off(self, msg: wire.Combine, segmented, params, backend, fresh: asyncio.Future,
+                                    gate: KVGate | None) -> None:
         engine_id = engine_request_id(msg.request_id, msg.attempt)
-        first = await self.engine.generate_held(engine_id, segmented, replace(params, max_tokens=1), backend)
-        fresh_tokens = reused_tokens(segmented, first.num_prefix_cached_tokens, fresh)
+        first = await self.engine.generate_held(engine_id, segmented, replace(params, max_tokens=1), backend,
+                                                kv_gate=gate)
+        fresh_tokens = reused_tokens(segmented, first.num_prefix_cached_tokens, await fresh)
         completion = first.outputs[0]
         done_here = completion.finish_reason == "stop" or params.max_tokens == 1
         if done_here:  # finished on its first token: nothing to hand off
