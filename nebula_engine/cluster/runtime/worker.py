@@ -220,11 +220,12 @@ class WorkerService:
             backend = msg.pic_backend
             remote = [s for s in msg.sources if s.peer and s.peer != self.name]
             prefix_read = self._fetch_prefix(msg) if msg.prefix_peer and msg.prefix_peer != self.name else None
-            # while remote KV is pinned and read, the cold segments planned here are prefilled (else the combine
-            # would compute them only after the last read), and the combine waits in the engine's queue behind a
-            # KV gate that opens when both are done (else it would queue only then)
+            # the combine waits in the engine's queue behind a KV gate that opens when its remote KV is here (else
+            # it would queue only then). While a scattered segment is prefilled elsewhere, the cold segments planned
+            # here are prefilled meanwhile; a read of cached KV is too short to overlap a forward with, and that
+            # prefill would be a forward of its own: then the combine computes them in its step
             waits = bool(remote) or prefix_read is not None
-            local_prefill = waits and bool(msg.compute_here)
+            local_prefill = any(s.fresh for s in remote) and bool(msg.compute_here)
             gate = KVGate(["reads"] + ["prefill"] * local_prefill) if waits else None
             reads = asyncio.gather(asyncio.gather(*(self._fetch(s, segmented, msg.pic_backend, transfers)
                                                     for s in remote)), prefix_read or asyncio.sleep(0))
