@@ -74,7 +74,7 @@ class CompareOptions:
     remote_read_latency_s: float = ClusterSpec.remote_read_latency_s
     scatter_dispatch_s: float = ClusterSpec.scatter_dispatch_s  # and per cold segment scattered to another peer
     shared_cores: bool = ClusterSpec.shared_cores  # the planner knows the peers share this machine's cores
-    # the two fixed costs above are where the planner starts; then it charges what reads and scatters take
+    # whether the planner then charges what reads and scatters take (off, as the spec: README)
     observe_transfer_costs: bool = ClusterSpec.observe_transfer_costs
     log_level: str = "warning"  # the peers' (debug: each combine's remote KV wait, each read's pin and store times)
 

@@ -78,11 +78,12 @@ def test_the_spec_carries_the_planners_fixed_costs(field):
         ClusterSpec((peer,), **{field: -1.0})
 
 
-@pytest.mark.parametrize("field", ["shared_cores", "observe_transfer_costs"])
-def test_the_spec_carries_its_planner_switches(field):
+@pytest.mark.parametrize("field,default", [("shared_cores", True), ("observe_transfer_costs", False)])
+def test_the_spec_carries_its_planner_switches(field, default):
     peer = PeerSpec("p", "prefill", "127.0.0.1", 1, 2, 3, 0)
-    spec = ClusterSpec((peer,), **{field: False})
-    assert getattr(ClusterSpec.from_json(spec.to_json()), field) is False
+    spec = ClusterSpec((peer,), **{field: not default})
+    assert getattr(ClusterSpec.from_json(spec.to_json()), field) is (not default)
     data = json.loads(spec.to_json())
     del data[field]  # a spec written before the field existed
-    assert getattr(ClusterSpec.from_json(json.dumps(data)), field) is True
+    assert getattr(ClusterSpec.from_json(json.dumps(data)), field) is default
+    assert getattr(ClusterSpec((peer,)), field) is default

@@ -45,7 +45,7 @@ class RouterService:
     def __init__(self, name: str, prefill_peers: list[str], decode_peers: list[str], config: ClusterConfig,
                  policy: str, send: Callable[[str, wire.Msg], None], pic_key: Callable[[str | None, list[int]], str],
                  dead_after_s: float = 3.0, clock: Callable[[], float] = time.monotonic,
-                 observe_transfers: bool = True):
+                 observe_transfers: bool = False):
         """``observe_transfers``: plan with the read latency and scatter dispatch the homes report
         (``ObservedTransferCosts``) instead of ``config``'s fixed values."""
         self.name = name

@@ -69,9 +69,11 @@ class ClusterSpec:
     # peers on this one machine share its cores, and the planner bounds a plan by what they can do together
     # (TransferCosts.parallel_forwards); False plans as if each peer had processors of its own (Algorithm 1)
     shared_cores: bool = True
-    # the two fixed costs above are where the router starts: it then charges what the homes report reads and
-    # scatters take (ObservedTransferCosts); False keeps them fixed
-    observe_transfer_costs: bool = True
+    # True: the two fixed costs above are where the router starts, and it then charges what the homes report
+    # reads and scatters take (ObservedTransferCosts). Off by default: on the default compare, nebula alone with it
+    # read 12.5-12.9 MB instead of 0.8-2.4 MB and its TTFT p50 was 0.250-0.264 s instead of 0.220-0.232 s (two
+    # interleaved pairs, README): a read's pin-to-stored time leaves out what it costs the peers' shared cores
+    observe_transfer_costs: bool = False
 
     def __post_init__(self) -> None:
         for name in ("remote_read_latency_s", "scatter_dispatch_s"):
