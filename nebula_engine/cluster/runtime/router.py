@@ -10,8 +10,9 @@ segment from the dead peer, or had a segment scattered to it, is not re-planned:
 home computes the segment itself. A dead decode peer is the home's to handle (its hand-off fails).
 A router that does not lead refuses submissions (``NotLeader``); one it cannot plan fails them. A new leader
 starts with no requests in flight (front ends resubmit theirs) and rebuilds its view from every worker's
-snapshot. The fixed costs of reads and scatters the planner charges follow what the homes report each read took
-(``TaskDone.transfers``, ``ObservedTransferCosts``); a new leader starts again from the configured ones.
+snapshot. With ``observe_transfers`` (off by default), the fixed costs of reads and scatters the planner charges
+follow what the homes report each read took (``TaskDone.transfers``, ``ObservedTransferCosts``); a new leader
+starts again from the configured ones.
 """
 
 from __future__ import annotations
