@@ -5,7 +5,7 @@ faster on the machines we run: SmolLM2's linear weights take 262 ms a step at 32
 150 ms packed (1.4x at 1 and 8 rows, 1.1x at 512; MKL's own packed sgemm gained 7%); 2 threads, AMD EPYC,
 ``tools/bench_linear.py``. torch.compile's CPU path packs weights the same way (``mkldnn._reorder_linear_weight``).
 
-The packed copy is built on first use and kept beside the weight (a second copy of every linear weight in
+The packed copy is built by ``prepack`` when the model is loaded (else on first use) and kept beside the weight (a second copy of every linear weight in
 memory). It is rebuilt when the weight changes in place (its version counter moves) and dropped with the
 weight. Anything else (autograd, other devices or dtypes, weights made under ``inference_mode``, no oneDNN)
 takes ``F.linear``, and so does everything when the environment sets ``NEBULA_CPU_PREPACK=0`` (to save the
@@ -47,9 +47,8 @@ def prepacking_enabled() -> bool:
 
 def _packs(x: torch.Tensor, weight: torch.Tensor) -> bool:
     # a weight made under inference_mode has no version counter, so a stale copy could not be noticed
-    return (_ENABLED and not torch.is_grad_enabled() and weight.device.type == "cpu" and x.device.type == "cpu"
-            and weight.dtype == torch.float32 and x.dtype == torch.float32 and weight.dim() == 2
-            and not weight.is_inference())
+    return (_ENABLED and not torch.is_grad_enabled() and x.device.type == "cpu" and x.dtype == torch.float32
+            and _packable(weight))
 
 
 def packed_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -64,6 +63,29 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
+def _packable(weight: torch.Tensor) -> bool:
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+            and not weight.is_inference())
+
+
+def prepack(module: nn.Module) -> int:
+    """Pack now every weight ``module``'s forward hands to ``linear``: each submodule's ``linear_weights()``.
+
+    Packing is a load-time transform of the weights, as vLLM's ``process_weights_after_loading``: done lazily,
+    a server's first request paid for it (a random 4-layer Qwen3 with a 151,936-token LM head, one thread:
+    TTFT 0.32 s instead of 0.04 s). Returns the number of weights packed."""
+    if not _ENABLED:
+        return 0
+    count = 0
+    with torch.no_grad():
+        for sub in module.modules():
+            for weight in getattr(sub, "linear_weights", tuple)():
+                if _packable(weight):
+                    packed_weight(weight)
+                    count += 1
+    return count
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``: x [..., in], weight [out, in], bias [out] -> [..., out]."""
     if not _packs(x, weight):
@@ -73,6 +95,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters and names) whose forward takes the packed CPU path when it can."""
+
+    fused = False  # its weight is a slice of a fused one (``FusedProjections``): the forward does not use it
+
+    def linear_weights(self) -> tuple[torch.Tensor, ...]:
+        """The weights this module's forward passes to ``linear`` (what ``prepack`` packs)."""
+        return () if self.fused else (self.weight,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)

@@ -54,9 +54,16 @@ class FusedProjections(nn.Module):
 
     def fuse(self, name: str, *child_names: str) -> None:
         self._fused[name] = child_names
-        weight, bias = fuse_linear_weights(*(getattr(self, child) for child in child_names))
+        children = [getattr(self, child) for child in child_names]
+        weight, bias = fuse_linear_weights(*children)
+        for child in children:
+            child.fused = True
         setattr(self, f"{name}_weight", weight)
         setattr(self, f"{name}_bias", bias)
+
+    def linear_weights(self) -> tuple[torch.Tensor, ...]:
+        """The fused weights (``cpu_linear.prepack``); the children's slices are not used on their own."""
+        return tuple(getattr(self, f"{name}_weight") for name in self._fused)
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)

@@ -12,6 +12,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from nebula_engine.kernels.cpu_linear import prepack
 from nebula_engine.model.config import ModelConfig
 from nebula_engine.model.registry import get_model_class
 
@@ -123,4 +124,5 @@ def load_model(model: str, dtype: torch.dtype = torch.float32,
         weights = iter_safetensors(safetensors_files(source))
     module = build_model(config, dtype, device)
     module.load_weights(weights)
+    prepack(module)
     return module.eval(), config, source

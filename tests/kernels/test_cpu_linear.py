@@ -105,3 +105,38 @@ def test_environment_switch(value, enabled):
     env = {**os.environ, cpu_linear.PREPACK_ENV: value}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.strip() == str(enabled)
+
+
+def test_prepack_packs_what_the_forward_uses_and_nothing_else():
+    from nebula_engine.model.layers import FusedProjections
+
+    class Attention(FusedProjections):
+        def __init__(self):
+            super().__init__()
+            self.q_proj, self.k_proj, self.o_proj = Linear(8, 8), Linear(8, 4), Linear(8, 8)
+            self.fuse("qk", "q_proj", "k_proj")
+
+    module = Attention()
+    assert cpu_linear.prepack(module) == 2
+    packed = set(map(id, cpu_linear._PACKED.keys()))
+    assert {id(module.qk_weight), id(module.o_proj.weight)} <= packed
+    assert not {id(module.q_proj.weight), id(module.k_proj.weight)} & packed  # slices of qk_weight
+    with torch.no_grad():
+        x = torch.randn(3, 8)
+        torch.testing.assert_close(linear(x, module.qk_weight, module.qk_bias),
+                                   torch.cat([F.linear(x, module.q_proj.weight, module.q_proj.bias),
+                                              F.linear(x, module.k_proj.weight, module.k_proj.bias)], -1))
+
+
+def test_prepack_does_nothing_when_prepacking_is_off():
+    cpu_linear.set_prepacking(False)
+    assert cpu_linear.prepack(Linear(8, 8)) == 0 and not len(cpu_linear._PACKED)
+
+
+def test_a_loaded_model_is_packed_before_its_first_forward(tmp_path):
+    from nebula_engine.model.loader import load_model
+    from nebula_engine.model.tiny import make_tiny_checkpoint
+
+    model, _, _ = load_model(str(make_tiny_checkpoint("qwen3", tmp_path / "ckpt")))
+    weights = [w for m in model.modules() for w in getattr(m, "linear_weights", tuple)()]
+    assert weights and all(w in cpu_linear._PACKED for w in weights)
