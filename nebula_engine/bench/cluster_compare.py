@@ -102,8 +102,10 @@ def run_policy(model: str, policy: str, requests, options: CompareOptions, log_d
         replay_options = ReplayOptions(seed=options.seed, max_tokens=options.max_tokens,
                                        max_prompt_tokens=options.max_prompt_tokens)
         progress = Progress(policy, len(requests))
+        cpu_before = cluster.cpu_seconds()
         result = asyncio.run(replay(url, requests, options.qps, replay_options,
                                     on_done=lambda record: progress.advance(record.ok)))
+        cpu_after = cluster.cpu_seconds()
         states = {name: cluster.state(name) for name in cluster.urls}
     finally:
         cluster.stop()
@@ -112,7 +114,13 @@ def run_policy(model: str, policy: str, requests, options: CompareOptions, log_d
     progress.finish(f", {summary['failed']} failed (e.g. {first_error[:160]})" if summary["failed"] else "")
     summary["policy"] = policy
     summary["transfer_bytes"] = sum(s.get("transfer_bytes", 0) for s in states.values())
+    # PIC segment tokens the peers prefilled (cold segments, for their own requests or scattered to them)
+    summary["segment_tokens_prefilled"] = sum(s.get("pic", {}).get("segment_tokens_prefilled", 0)
+                                              for s in states.values())
     summary["ttfts_s"] = [r.ttft_s for r in result.records if r.ok]
+    # CPU the peers used while the workload ran (None without /proc): what each policy costs the shared cores
+    summary["peer_cpu_s"] = (sum(cpu_after.values()) - sum(cpu_before.values())
+                             if cpu_after and cpu_after.keys() == cpu_before.keys() else None)
     return summary
 
 
@@ -150,7 +158,13 @@ COLUMNS_EXPLAINED = (
     "request itself are no hits.",
     "x/pc: the policy's figure divided by pc's (below 1.00 = faster TTFT; above 1.00 = more hits).",
     "failed: requests without a complete answer.  KV moved: bytes peers read from each other over NIXL.",
+    "peer CPU: CPU seconds all peers used (user + system, every thread) while the requests ran; the peers share "
+    "this machine's cores, so work one policy adds delays every request.",
 )
+
+
+def _cpu(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds:.1f}s"
 
 
 def format_table(rows: list[dict], bound: float | None = None) -> str:
@@ -161,13 +175,13 @@ def format_table(rows: list[dict], bound: float | None = None) -> str:
         return f"{value / reference:.2f}" if reference else "n/a"
 
     lines = [f"{'policy':<10} {'TTFT p50 s':>10} {'TTFT p99 s':>10} {'CHR':>6} {'p50/pc':>7} {'p99/pc':>7} "
-             f"{'CHR/pc':>7} {'failed':>6} {'KV moved':>10}"]
+             f"{'CHR/pc':>7} {'failed':>6} {'KV moved':>10} {'peer CPU':>9}"]
     for row in rows:
         lines.append(f"{row['policy']:<10} {row['ttft_p50_s']:>10.3f} {row['ttft_p99_s']:>10.3f} "
                      f"{row['cache_hit_ratio']:>6.1%} {ratio(row['ttft_p50_s'], base['ttft_p50_s']):>7} "
                      f"{ratio(row['ttft_p99_s'], base['ttft_p99_s']):>7} "
                      f"{ratio(row['cache_hit_ratio'], base['cache_hit_ratio']):>7} "
-                     f"{row['failed']:>6} {row['transfer_bytes'] / 2**20:>8.1f}MB")
+                     f"{row['failed']:>6} {row['transfer_bytes'] / 2**20:>8.1f}MB {_cpu(row.get('peer_cpu_s')):>9}")
     lines += ["", *(f"  {line}" for line in COLUMNS_EXPLAINED)]
     if bound is not None:
         lines.append(f"  The slice's reuse bound (every segment seen before, with an unbounded cache): CHR {bound:.1%}.")

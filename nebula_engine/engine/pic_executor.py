@@ -42,6 +42,7 @@ class PICStats:
     segment_hits: int = 0
     segment_misses: int = 0  # prefilled alone here (scatter prefill)
     segment_skipped: int = 0  # no room to cache: computed in the combine
+    segment_tokens_prefilled: int = 0  # tokens of the segments prefilled here (misses), for this or another peer
     combines: int = 0  # requests combined
     combine_forwards: int = 0  # forwards that ran them (a step's requests with one backend share one)
 
@@ -225,6 +226,7 @@ class PICExecutor:
                     self.cache.pic.lock(entries[i])
                 handed_out.add(key)
         self.stats.segment_misses += sum(1 for e in created.values() if e is not None)
+        self.stats.segment_tokens_prefilled += sum(len(cold[k]) for k, e in created.items() if e is not None)
         self.stats.segment_skipped += sum(1 for e in created.values() if e is None)
         return entries, [key in created for key in keys]
 

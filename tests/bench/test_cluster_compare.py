@@ -20,7 +20,8 @@ from tests.model_cases import CASES_BY_NAME, checkpoint_factory  # noqa: F401  (
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed")
 
 ROW_KEYS = {"policy", "num_requests", "completed", "failed", "ttft_p50_s", "ttft_p99_s", "cache_hit_ratio",
-            "prompt_tokens", "cached_tokens", "transfer_bytes", "ttfts_s"}
+            "prompt_tokens", "cached_tokens", "transfer_bytes", "ttfts_s",
+            "peer_cpu_s"}
 
 
 def test_a_reduced_compare_runs_every_policy_and_writes_its_json_and_png(checkpoint_factory, tmp_path):
@@ -43,6 +44,7 @@ def test_a_reduced_compare_runs_every_policy_and_writes_its_json_and_png(checkpo
         assert row["failed"] == 0 and row["completed"] == 8, row["errors"]
         assert len(row["ttfts_s"]) == 8 and 0 < row["ttft_p50_s"] <= row["ttft_p99_s"]
         assert 0 <= row["cache_hit_ratio"] <= bound, (policy, row["cache_hit_ratio"], bound)
+        assert row["peer_cpu_s"] is None or row["peer_cpu_s"] > 0  # the peers prefilled 8 prompts
     assert rows["pc"]["cache_hit_ratio"] <= document["pc_hit_ratio_bound"]
     assert rows["local-pic"]["cache_hit_ratio"] > rows["pc"]["cache_hit_ratio"]
     assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -68,3 +70,4 @@ def test_the_table_compares_with_the_first_policy_when_pc_did_not_run():
              "transfer_bytes": 0} for policy, p50 in (("local-pic", 0.2), ("nebula", 0.1))]
     nebula_line = next(line for line in format_table(rows).splitlines() if line.startswith("nebula"))
     assert "0.50" in nebula_line.split()  # p50 ratio against local-pic
+    assert nebula_line.split()[-1] == "n/a"  # peer CPU unknown

@@ -183,6 +183,20 @@ class LocalCluster:
         except OSError:
             return {}
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time (user + system, all threads) each running peer process has used so far; {} where the system
+        has no ``/proc`` (Linux only)."""
+        ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        used = {}
+        for name, process in self.processes.items():
+            try:
+                stat = Path(f"/proc/{process.pid}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()  # after the command name, which may hold spaces
+            used[name] = (int(fields[11]) + int(fields[12])) / ticks  # utime and stime (fields 14 and 15)
+        return used
+
     def leader(self) -> str:
         for name in self.processes:
             state = self.state(name)
