@@ -234,6 +234,7 @@ class PICExecutor:
         """One segment: ``prefill_segments`` of one."""
         return self.prefill_segments(backend, {key: list(token_ids)}, context_ids)[key]
 
+    @torch.inference_mode()  # callers outside an engine step (a scatter, a cluster peer's own-segment prefill)
     def prefill_segments(self, backend: PICBackend, cold: dict[str, list],
                          context_ids=None) -> dict[str, PICEntry | None]:
         """Scatter prefill: compute each segment behind ``context_ids`` (None: ``_context``; their K/V is dropped)

@@ -124,5 +124,9 @@ def load_model(model: str, dtype: torch.dtype = torch.float32,
         weights = iter_safetensors(safetensors_files(source))
     module = build_model(config, dtype, device)
     module.load_weights(weights)
+    # an inference engine: a forward that runs outside inference mode by mistake must not record autograd history
+    # (it kept every scatter prefill's activations alive through the KV pool it wrote to, ~1 GB per peer per
+    # 48 requests)
+    module.requires_grad_(False)
     prepack(module)
     return module.eval(), config, source

@@ -173,6 +173,26 @@ def test_only_missing_segments_are_prefilled(port):
     assert run(port.prefill_missing_segments(None, [segment(500)])) == [False]  # no PIC: nothing to prefill
 
 
+def test_the_loaded_model_records_no_autograd_history(engine):
+    model = engine.engine.model_runner.model
+    assert not any(parameter.requires_grad for parameter in model.parameters())
+
+
+def test_segments_prefilled_for_peers_leave_no_autograd_history_in_the_pool(port, engine):
+    """A scatter and a home's own cold segments are prefilled between engine steps, outside the step's inference
+    mode. Run with grad enabled and weights that require it, the forward wrote K/V carrying autograd history into
+    the pool, and the pool then held every such forward's activations alive (nebula peers grew by ~1 GB)."""
+    model = engine.engine.model_runner.model
+    model.requires_grad_(True)  # as before the loader turned it off: the executor alone must prevent history
+    try:
+        run(port.prefill_segment("epic", segment(900)))
+        run(port.prefill_missing_segments("epic", [segment(950), segment(1000)]))
+    finally:
+        model.requires_grad_(False)
+    for tensor in port.transfer_tensors():
+        assert not tensor.requires_grad and tensor.grad_fn is None
+
+
 def test_a_segment_promoted_from_the_host_tier_is_not_reported_as_prefilled(checkpoint_factory):
     """It existed before the request (on a lower tier), so it is a hit, not a segment made for the request."""
     from nebula_engine.config import EngineConfig
