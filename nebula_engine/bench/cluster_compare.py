@@ -30,8 +30,8 @@ from nebula_engine.workloads.registry import load_workload
 from nebula_engine.cluster.control.policy_names import POLICY_NAMES
 
 # the random 4-layer Qwen3: smollm2 (real weights) on 4 one-thread peers, measured alone on this 2-core machine,
-# saturated at 0.5 req/s (TTFT p50 8.3 s), took 18 min for the three policies and its nebula peers grew to 24 GB
-# together (README "Measured", cluster policies); make run must end in 6 minutes
+# saturated at 0.5 req/s (TTFT p50 8.3 s), took 18 min for the three policies and (before stop 26's scatter leak
+# fix) its nebula peers grew to 24 GB together (README "Measured", cluster policies); make run must end in 6 minutes
 DEFAULT_MODEL = "bench-qwen3"
 # big enough that prefill compute, not HTTP and Python overhead, dominates TTFT on a CPU; still random weights
 BENCH_MODEL = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=32,
