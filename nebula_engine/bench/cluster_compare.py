@@ -181,7 +181,8 @@ def format_table(rows: list[dict], bound: float | None = None) -> str:
                      f"{row['cache_hit_ratio']:>6.1%} {ratio(row['ttft_p50_s'], base['ttft_p50_s']):>7} "
                      f"{ratio(row['ttft_p99_s'], base['ttft_p99_s']):>7} "
                      f"{ratio(row['cache_hit_ratio'], base['cache_hit_ratio']):>7} "
-                     f"{row['failed']:>6} {row['transfer_bytes'] / 2**20:>8.1f}MB {_cpu(row.get('peer_cpu_s')):>9}")
+                     f"{row['failed']:>6} {row['transfer_bytes'] / 2**20:>8.1f}MB "
+                     f"{_cpu(row.get('peer_cpu_s')):>9}")
     lines += ["", *(f"  {line}" for line in COLUMNS_EXPLAINED)]
     if bound is not None:
         lines.append(f"  The slice's reuse bound (every segment seen before, with an unbounded cache): CHR {bound:.1%}.")

@@ -5,11 +5,11 @@ faster on the machines we run: SmolLM2's linear weights take 262 ms a step at 32
 150 ms packed (1.4x at 1 and 8 rows, 1.1x at 512; MKL's own packed sgemm gained 7%); 2 threads, AMD EPYC,
 ``tools/bench_linear.py``. torch.compile's CPU path packs weights the same way (``mkldnn._reorder_linear_weight``).
 
-The packed copy is built by ``prepack`` when the model is loaded (else on first use) and kept beside the weight (a second copy of every linear weight in
-memory). It is rebuilt when the weight changes in place (its version counter moves) and dropped with the
-weight. Anything else (autograd, other devices or dtypes, weights made under ``inference_mode``, no oneDNN)
-takes ``F.linear``, and so does everything when the environment sets ``NEBULA_CPU_PREPACK=0`` (to save the
-memory of the copies).
+The packed copy is built by ``prepack`` when the model is loaded (else on first use) and kept beside the weight
+(a second copy of every linear weight in memory). It is rebuilt when the weight changes in place (its version
+counter moves) and dropped with the weight. Anything else (autograd, other devices or dtypes, weights made under
+``inference_mode``, no oneDNN) takes ``F.linear``, and so does everything when the environment sets
+``NEBULA_CPU_PREPACK=0`` (to save the memory of the copies).
 """
 
 from __future__ import annotations
