@@ -51,18 +51,23 @@ class CompareOptions:
     the slice's working set, load spread over several prefill peers, and prefill a real share of TTFT."""
 
     trace: str = "ragpulse"
-    num_requests: int = 48  # 25 sessions; with 1,024-token prompts a working set of 17,373 distinct tokens
-    # 48 s of arrivals per policy: with ~30 s of cluster start each, the three policies fit make run's 6 minutes
-    # (0.5 req/s took 6.4 min); below saturation for the random Qwen3 (TTFT p50 0.17-0.22 s measured at 1 req/s, README)
+    num_requests: int = 48  # 25 sessions, 144,039 prompt tokens; a working set of 78,459 distinct tokens
+    # 48 s of arrivals per policy: with ~15-30 s of cluster start each, the three policies fit make run's 6 minutes
+    # (0.5 req/s took 6.4 min); below saturation for the random Qwen3 (peers busy about half the time, README)
     qps: float = 1.0
     prefill_workers: int = 4  # the router spreads load over 4 peers: a session's documents can sit on any
     decode_workers: int = 0  # prefill peers decode too: one process less to load (8 output tokens only)
-    max_prompt_tokens: int = 1024
+    # the bench model's context: the slice's longest prompt (4,591 tokens) is sent whole, so documents keep their
+    # real length (~280 tokens). Shrunk to fit 1,024 tokens (stop 26 and before) they averaged 62 tokens, and EPIC's
+    # 16 recomputed tokens per segment (26% of them) cancelled what PIC hits saved (README "Measured")
+    max_prompt_tokens: int = 8192
     max_tokens: int = 8
     seed: int = 0
     pic_backend: str = "auto"
     page_size: int = 16
-    num_pages: int = 256  # per peer: its KV pool (running requests + cached PC and PIC entries), 4,096 tokens
+    # per peer: its KV pool (running requests + cached PC and PIC entries), 18,432 tokens: 23.5% of the working
+    # set, 94% over the 4 peers (the share 256 pages had of the shrunk prompts' working set)
+    num_pages: int = 1152
     threads_per_peer: int | None = 1  # 4 peers on 2 cores: one torch thread each, no oversubscription
     # silence after which a peer counts as dead: on a crowded 2-core machine (load 14) smollm2 peers were measured
     # silent for over 3 s (the serving default) mid-prefill, and every request was re-run until it gave up
