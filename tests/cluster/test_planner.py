@@ -334,3 +334,29 @@ def test_a_worker_that_is_down_is_neither_home_nor_helper(compiled, parallel_for
             PlanningProblem((), (100,) * 4, (0.0, math.inf, 0.0, 0.0), 0.0)).estimate == 200
     with pytest.raises(ValueError, match="every prefill worker is down"):
         GreedyPlanner(costs, compiled=compiled).plan(PlanningProblem((), (100,), (math.inf,) * 4, 0.0))
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_a_plan_restricted_to_one_home_is_that_homes_best_in_both_loops(seed):
+    """``plan(problem, homes=(h,))`` keeps h as the home and lets every worker help; the best of those over all
+    homes is the unrestricted plan's estimate."""
+    rng = random.Random(seed)
+    workers = rng.randint(1, 6)
+    costs = costs_on_shared_cores(rng, workers)
+    problem = random_problem(rng, workers, rng.randint(0, 14))
+    unrestricted = GreedyPlanner(costs, seed).plan(problem)
+    estimates = []
+    for home in range(workers):
+        python = GreedyPlanner(costs, seed, compiled=False).plan(problem, homes=(home,))
+        assert python == GreedyPlanner(costs, seed).plan(problem, homes=(home,))
+        assert python.home == home
+        assert python.estimate == pytest.approx(estimate(problem, home, python.cold_workers, python.hit_sources,
+                                                         costs))
+        estimates.append(python.estimate)
+    assert min(estimates) == unrestricted.estimate
+
+
+def test_a_home_that_is_down_cannot_be_asked_for():
+    problem = PlanningProblem((), (50,), (0.0, math.inf), 10.0)
+    with pytest.raises(ValueError, match="must be workers that are up"):
+        GreedyPlanner(uniform_costs(2, 0.1)).plan(problem, homes=(1,))

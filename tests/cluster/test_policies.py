@@ -161,6 +161,23 @@ def test_a_short_device_copy_behind_a_slow_link_is_recomputed_at_the_home():
         assert [s.action for s in plan.segments if s.key == "doc"] == [action]
 
 
+def test_a_segment_not_worth_reading_still_draws_the_request_to_the_worker_that_holds_it():
+    """Whether a copy pays depends on the home: a short segment behind a slow link is a hit at its holder and
+    cold anywhere else. Planned once for every home, the holder wins while its queue is short, and reuses its copy
+    (before, the home was chosen as if every copy could be read, then the copies not worth reading were dropped
+    everywhere, the holder's own included, and the segment was prefilled again on worker 0)."""
+    latency = [[0.0, 150.0], [150.0, 0.0]]
+    for queued, home, action in ((50.0, 1, Action.REUSE), (200.0, 0, Action.COMPUTE)):
+        plane = ControlPlane(ClusterConfig(num_prefill_workers=2), "nebula",
+                             costs=TransferCosts([[0.0, 0.1], [0.1, 0.0]], latency=latency))
+        plane.on_event(StoreEvent(1, 1, CacheKind.PIC, ("doc-a",), 100), now=0.0)
+        plane.view.reserve("earlier", 1, queued)
+        keys = RequestKeys.of(request("r", ("I", "doc-a", 100), ("I", "doc-b", 250), ("R", "q", 5)))
+        plan = plane.on_request(keys, now=1.0).plan
+        assert plan.combine_home == home, queued
+        assert [(s.action, s.worker) for s in plan.segments if s.key == "doc-a"] == [(action, home)]
+
+
 def test_pinned_home_reads_the_cheapest_copy_worth_reading():
     keys = RequestKeys.of(request("r", ("I", "doc", 100), ("R", "q", 5)))
     plan = slow_tier_plane(d=0.6, host=0.5).on_request(keys, now=1.0, home=0).plan

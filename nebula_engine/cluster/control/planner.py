@@ -279,21 +279,27 @@ class GreedyPlanner:
         if compiled and self.kernel is None:
             raise RuntimeError("GreedyPlanner(compiled=True) needs numba, which failed to import")
 
-    def plan(self, problem: PlanningProblem) -> GreedyPlan:
+    def plan(self, problem: PlanningProblem, homes: Sequence[int] | None = None) -> GreedyPlan:
+        """The best plan whose combine home is one of ``homes`` (None: any worker that is up); every worker
+        that is up may still compute cold segments."""
+        candidates = set(workers_up(problem) if homes is None else homes)
+        if not candidates <= set(workers_up(problem)):
+            raise ValueError(f"homes {sorted(candidates)} must be workers that are up")
         if self.kernel is None:
-            return self._plan_python(problem)
-        return self._plan_compiled(problem)
+            return self._plan_python(problem, candidates)
+        return self._plan_compiled(problem, candidates)
 
-    def _plan_compiled(self, problem: PlanningProblem) -> GreedyPlan:
+    def _plan_compiled(self, problem: PlanningProblem, candidates: set[int]) -> GreedyPlan:
         cold = np.array(problem.cold, dtype=np.int64)
         # stable sorts reproduce the Python path's keys (-length, index) and (load, worker)
         order = np.argsort(-cold, kind="stable")
         queue = np.array(problem.outstanding, dtype=np.float64)
         up = np.array(workers_up(problem), dtype=np.int64)  # a worker that is down is neither home nor helper
         by_load = up[np.argsort(queue[up], kind="stable")]
+        homes = np.array([w for w in by_load.tolist() if w in candidates], dtype=np.int64)
         tokens, extra = supplied_by_source(problem.hits, self.costs)
         estimates, moved = self.kernel.plan_homes(self.costs.matrix, self.costs.latency_matrix,
-                                                  self.costs.dispatch_matrix, queue, by_load,
+                                                  self.costs.dispatch_matrix, queue, by_load, homes,
                                                   cold[order], tokens, extra, self.costs.work_floor(problem))
         best = estimates.min()
         ties = np.flatnonzero(estimates == best).tolist()  # ascending home, as the Python path sorts
@@ -307,7 +313,7 @@ class GreedyPlanner:
         return tuple(hit.holders[0][0] if len(hit.holders) == 1 else hit_source(hit, home, self.costs)
                      for hit in hits)
 
-    def _plan_python(self, problem: PlanningProblem) -> GreedyPlan:
+    def _plan_python(self, problem: PlanningProblem, candidates: set[int]) -> GreedyPlan:
         order = sorted(range(len(problem.cold)), key=lambda i: (-problem.cold[i], i))
         lengths = [problem.cold[i] for i in order]
         negated = [-length for length in lengths]
@@ -320,6 +326,8 @@ class GreedyPlanner:
         floor = self.costs.work_floor(problem)
         best, best_homes = float("inf"), []
         for _, home in by_load:  # lightly loaded homes tend to win: a low bound early prunes the rest
+            if home not in candidates:
+                continue
             summary = summarise(hit_tokens_by_source(multi, home, self.costs, single), self.costs) \
                 if multi else single_summary
             estimate, moves = self._plan_home(problem, home, lengths, negated, by_load, position,

@@ -15,10 +15,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-# (rows of to, rows of latency, rows of dispatch, queue, homes by load, cold lengths longest first, tokens and extra
-# per source, the shared processors' work floor)
+# (rows of to, rows of latency, rows of dispatch, queue, workers up by load, homes to try by load, cold lengths longest
+# first, tokens and extra per source, the shared processors' work floor)
 PLAN_HOMES_SIGNATURE = "Tuple((float64[::1], int64[:, ::1]))(float64[:, ::1], float64[:, ::1], float64[:, ::1], " \
-                       "float64[::1], int64[::1], int64[::1], int64[:, ::1], float64[:, ::1], float64)"
+                       "float64[::1], int64[::1], int64[::1], int64[::1], int64[:, ::1], float64[:, ::1], float64)"
 
 
 @njit("boolean(float64, int64, float64, int64)", cache=True)
@@ -132,17 +132,19 @@ def _plan_home(home, column, dispatch, queue, homes, lengths, fixed, sending, bo
 
 
 @njit(PLAN_HOMES_SIGNATURE, cache=True)
-def plan_homes(to, latency, dispatch, queue, homes, lengths, tokens, extra, floor):
-    """Run the greedy for every home, least loaded first, pruning against the best estimate so far.
+def plan_homes(to, latency, dispatch, queue, homes, candidates, lengths, tokens, extra, floor):
+    """Run the greedy for every home of ``candidates``, least loaded first, pruning against the best estimate so
+    far.
 
     ``to[c, w]`` is d(w -> c); ``tokens[r, w]`` and ``extra[r, w]`` are what worker w supplies from
     cache and its slow-tier read cost, with one row per home (r = c) or a single row shared by all.
     ``latency[c, w]`` is added to w's fixed cost: paid by a source, and by a worker once it computes for c;
     ``dispatch[c, w]`` is added to w's time once it computes for c. ``floor`` is F, the shared processors' time
     for all the work (``TransferCosts.work_floor``): a lower bound on every home's estimate.
-    ``homes`` may leave workers out (down ones): they are neither home nor helper.
-    Returns per-home estimates (pruned homes: some value above the final best) and per-home cold
-    assignments by rank, complete only for homes that were not pruned.
+    ``homes`` may leave workers out (down ones): they are neither home nor helper. ``candidates`` (some of
+    ``homes``) are the homes tried; the others only help.
+    Returns per-home estimates (pruned homes: some value above the final best; homes not tried: infinity) and
+    per-home cold assignments by rank, complete only for homes that were tried and not pruned.
     """
     workers, segments = queue.shape[0], lengths.shape[0]
     estimates = np.full(workers, np.inf)  # workers not in ``homes`` (down) stay at infinity
@@ -153,7 +155,7 @@ def plan_homes(to, latency, dispatch, queue, homes, lengths, tokens, extra, floo
     heap_loads = np.empty(workers)
     heap_workers = np.empty(workers, np.int64)
     best = np.inf
-    for home in homes:
+    for home in candidates:
         row = 0 if tokens.shape[0] == 1 else home
         column = to[home]
         for worker in range(workers):

@@ -113,16 +113,42 @@ class NebulaPolicy(Policy):
         for i in keys.pic_indices:
             if i >= depth and keys.content_ids[i] not in holders:
                 holders[keys.content_ids[i]] = self._holders(view, keys.content_ids[i], now)
-        while True:  # re-planned only when a slow-tier copy turns out dearer than recomputing at the home
+        up = [w for w, queue in enumerate(view.outstanding()) if queue < math.inf]
+        if not up:
+            raise ValueError(NO_WORKER_UP)
+        readable = {home: self._readable(keys, holders, home) for home in up}
+        if all(copies == holders for copies in readable.values()):  # every copy pays: Algorithm 1 over all homes
             problem, hit_index, cold_index = self._problem(keys, view, depth, prefix_holders, holders)
             placed = self.scheduler.place(problem)
-            too_dear = self._dearer_than_recompute(keys, problem, placed, hit_index)
-            if not too_dear:
-                break
-            for content in too_dear:
-                holders[content] = ()
+        else:
+            problem, hit_index, cold_index, placed = self._best_home(keys, view, depth, prefix_holders, readable)
         plan = self._to_plan(keys, placed, problem, hit_index, cold_index, depth)
         return self._with_repeats(plan, keys, depth)
+
+    def _readable(self, keys: RequestKeys, holders: dict, home: int) -> dict:
+        """Per PIC content, the copies a combine at ``home`` reads rather than recomputes: those whose load and move
+        there cost less than recomputing the segment (§7.2's d(w -> c) plus the tier's read cost per token, and the
+        link's latency once). With no latency a device copy always passes, as in Algorithm 1; with it, a short
+        segment held elsewhere is a hit only for a home that holds it."""
+        length = {}
+        for i in keys.pic_indices:
+            length.setdefault(keys.content_ids[i], keys.tokens[i])
+        return {content: tuple((w, tier) for w, tier in copies
+                               if self.costs.load_beats_recompute(tier, w, home, length[content]))
+                for content, copies in holders.items()}
+
+    def _best_home(self, keys, view, depth, prefix_holders, readable):
+        """Plan once per home with the hits that home would read, and keep the lowest estimate (ties: the seeded
+        RNG, as the planner breaks them). A copy's worth depends on the home, so one problem cannot hold it."""
+        best, ties = math.inf, []
+        for home in sorted(readable):
+            problem, hit_index, cold_index = self._problem(keys, view, depth, prefix_holders, readable[home])
+            placed = self.scheduler.place(problem, homes=(home,))
+            if placed.estimate < best:
+                best, ties = placed.estimate, [(problem, hit_index, cold_index, placed)]
+            elif placed.estimate == best:
+                ties.append((problem, hit_index, cold_index, placed))
+        return ties[0] if len(ties) == 1 else self.rng.choice(ties)
 
     @staticmethod
     def _holders(view: ClusterView, key: str, now: float) -> tuple[tuple[int, Tier], ...]:
@@ -153,18 +179,6 @@ class NebulaPolicy(Policy):
                 cold_index.append(i)
         problem = PlanningProblem(tuple(hits), tuple(cold), tuple(view.outstanding()), self.combine_cost(keys, depth))
         return problem, hit_index, cold_index
-
-    def _dearer_than_recompute(self, keys, problem, placed, hit_index) -> list[str]:
-        """Contents of hits whose copy costs more to load and move to the home than to recompute it (§7.2's
-        d(w -> c) plus the tier's read cost per token, and the link's latency once, against one prefill token
-        per token). With no latency a device copy always passes, as in Algorithm 1; with it, a short segment on
-        another worker is recomputed rather than fetched."""
-        dear = []
-        for index, hit, src in zip(hit_index, problem.hits, placed.hit_sources):
-            tier = next(t for w, t in hit.holders if w == src)
-            if index >= 0 and not self.costs.load_beats_recompute(tier, src, placed.home, hit.num_tokens):
-                dear.append(keys.content_ids[index])
-        return dear
 
     def _to_plan(self, keys, placed, problem, hit_index, cold_index, depth) -> PrefillPlan:
         home, prefix, segments = placed.home, None, []

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from abc import ABC, abstractmethod
+from typing import Sequence
 
 from nebula_engine.cluster.control.planner import (GreedyPlan, GreedyPlanner, PlanningProblem, TransferCosts,
                                                   estimate, hit_source, workers_up)
@@ -16,8 +17,18 @@ class Scheduler(ABC):
         self.rng = random.Random(seed)
 
     @abstractmethod
-    def place(self, problem: PlanningProblem) -> GreedyPlan:
-        """Choose a combine home, a source per hit and a worker per cold segment."""
+    def place(self, problem: PlanningProblem, homes: Sequence[int] | None = None) -> GreedyPlan:
+        """Choose a combine home (one of ``homes``; None: any worker that is up), a source per hit and a worker
+        per cold segment."""
+
+    @staticmethod
+    def _homes(problem: PlanningProblem, homes: Sequence[int] | None) -> list[int]:
+        up = workers_up(problem)
+        if homes is None:
+            return up
+        if not set(homes) <= set(up):
+            raise ValueError(f"homes {sorted(homes)} must be workers that are up")
+        return [w for w in up if w in set(homes)]
 
     def set_costs(self, costs: TransferCosts) -> None:
         self.costs = costs
@@ -39,15 +50,15 @@ class GreedyScheduler(Scheduler):
         super().set_costs(costs)
         self.planner.costs = costs
 
-    def place(self, problem: PlanningProblem) -> GreedyPlan:
-        return self.planner.plan(problem)
+    def place(self, problem: PlanningProblem, homes: Sequence[int] | None = None) -> GreedyPlan:
+        return self.planner.plan(problem, homes)
 
 
 class LocalityScheduler(Scheduler):
     """Home = the worker with the most local PC/PIC hit tokens; cold segments computed there."""
 
-    def place(self, problem: PlanningProblem) -> GreedyPlan:
-        local = dict.fromkeys(workers_up(problem), 0)
+    def place(self, problem: PlanningProblem, homes: Sequence[int] | None = None) -> GreedyPlan:
+        local = dict.fromkeys(self._homes(problem, homes), 0)
         for hit in problem.hits:
             for worker, _ in hit.holders:
                 if worker in local:
@@ -65,14 +76,14 @@ class LoadScheduler(Scheduler):
 
     COMBINE = -1
 
-    def place(self, problem: PlanningProblem) -> GreedyPlan:
-        load, up = list(problem.outstanding), workers_up(problem)
+    def place(self, problem: PlanningProblem, homes: Sequence[int] | None = None) -> GreedyPlan:
+        load, up, candidates = list(problem.outstanding), workers_up(problem), self._homes(problem, homes)
         tasks = [(length, i) for i, length in enumerate(problem.cold)]
         tasks.append((problem.combine_cost, self.COMBINE))
         tasks.sort(key=lambda task: (-task[0], task[1]))
         cold_workers, home = [0] * len(problem.cold), 0
         for size, index in tasks:
-            worker = min(up, key=lambda w: (load[w], w))
+            worker = min(candidates if index == self.COMBINE else up, key=lambda w: (load[w], w))
             load[worker] += size
             if index == self.COMBINE:
                 home = worker
