@@ -168,9 +168,16 @@ def costs_on_shared_cores(rng: random.Random, workers: int) -> TransferCosts:
                          parallel_forwards=rng.choice([1, 2, 3, 0.5 + 4 * rng.random()]))
 
 
+def costs_with_combine_queues(rng: random.Random, workers: int) -> TransferCosts:
+    costs = costs_on_shared_cores(rng, workers)
+    return TransferCosts(costs.to, {Tier.HOST: costs.tier_cost[Tier.HOST]}, costs.latency, costs.dispatch,
+                         costs.parallel_forwards, combine_queues=True)
+
+
 @pytest.mark.parametrize("compiled", [None, False])
 @pytest.mark.parametrize("seed", range(200))
-@pytest.mark.parametrize("fixed_costs", [costs_with_latency, costs_with_dispatch, costs_on_shared_cores])
+@pytest.mark.parametrize("fixed_costs", [costs_with_latency, costs_with_dispatch, costs_on_shared_cores,
+                                         costs_with_combine_queues])
 def test_both_loops_match_literal_algorithm_1_with_latency_dispatch_and_shared_cores(fixed_costs, seed, compiled):
     rng = random.Random(seed)
     workers = rng.randint(1, 6)
@@ -360,3 +367,17 @@ def test_a_home_that_is_down_cannot_be_asked_for():
     problem = PlanningProblem((), (50,), (0.0, math.inf), 10.0)
     with pytest.raises(ValueError, match="must be workers that are up"):
         GreedyPlanner(uniform_costs(2, 0.1)).plan(problem, homes=(1,))
+
+
+@pytest.mark.parametrize("compiled", [None, False])
+def test_a_home_whose_combine_waits_for_its_queue_is_not_free_when_it_scatters_everything(compiled):
+    """§7.2 gives a ready combine priority, so a busy home that sends every cold segment elsewhere costs nothing
+    there; where a combine waits behind its home's queue (``combine_queues``), the idle worker is the home."""
+    to = [[0.0, 0.1], [0.1, 0.0]]
+    problem = PlanningProblem((Hit(10_000, ((0, Tier.DEVICE),)),), (300, 300), (1500.0, 0.0), 10.0)
+    paper = GreedyPlanner(TransferCosts(to), compiled=compiled).plan(problem)
+    assert paper.home == 0 and paper.cold_workers == (1, 1)
+    queued = GreedyPlanner(TransferCosts(to, combine_queues=True), compiled=compiled).plan(problem)
+    assert queued.home == 1 and queued.hit_sources == (0,)
+    assert queued.estimate == pytest.approx(estimate(problem, 1, queued.cold_workers, queued.hit_sources,
+                                                     TransferCosts(to, combine_queues=True)))

@@ -68,6 +68,9 @@ class ClusterProfile:
     ``node_cores`` times faster and concurrent forwards share that speed. ``dispatch_s``: how long a cold
     segment scattered to a worker other than the home waits there beyond its prefill and its link's latency
     (the worker finishing what it is doing, the home's pin waiting for the segment); 0 in the paper's model.
+    ``combine_queues``: a combine waits behind everything already queued at its home, as this project's engine
+    runs a home's work in arrival order; False is the paper's model, where a combine whose KV is ready runs first
+    (§7.2), so the home's queue counts only when the home computes a cold segment.
     """
 
     name: str
@@ -86,6 +89,7 @@ class ClusterProfile:
     shared_compute: bool = False
     node_cores: float = 1.0
     dispatch_s: float = 0.0
+    combine_queues: bool = False
     sources: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
@@ -151,7 +155,7 @@ class ClusterProfile:
     @classmethod
     def from_dict(cls, data: dict) -> "ClusterProfile":
         required = {f.name for f in fields(cls) if f.name not in ("shared_compute", "node_cores", "dispatch_s",
-                                                                   "sources")}
+                                                                   "combine_queues", "sources")}
         missing = sorted(required - set(data))
         if missing:
             raise ValueError(f"profile {data.get('name', '?')!r} lacks {', '.join(missing)}")

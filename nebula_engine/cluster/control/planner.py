@@ -65,14 +65,18 @@ class TransferCosts:
     home c (``ClusterProfile.dispatch_s``), on top of its latency.
     §7.2's estimate has per-token terms only; these terms are 0 unless given, which is Algorithm 1 exactly.
     ``parallel_forwards``: how many prefills the workers' shared processors run at once at full speed (infinite:
-    each worker has its own, the paper's setting); it sets the floor F of the module docstring."""
+    each worker has its own, the paper's setting); it sets the floor F of the module docstring.
+    ``combine_queues``: the home's queue Q_c counts in its term whether or not it computes a cold segment, since
+    the combine waits behind it (``ClusterProfile.combine_queues``); False is §7.2's estimate."""
 
     def __init__(self, to: Sequence[Sequence[float]], tier_cost: dict[Tier, float] | None = None,
                  latency: Sequence[Sequence[float]] | None = None,
-                 dispatch: Sequence[Sequence[float]] | None = None, parallel_forwards: float = math.inf):
+                 dispatch: Sequence[Sequence[float]] | None = None, parallel_forwards: float = math.inf,
+                 combine_queues: bool = False):
         if not parallel_forwards > 0:
             raise ValueError(f"parallel_forwards must be positive, got {parallel_forwards}")
         self.parallel_forwards = float(parallel_forwards)
+        self.combine_queues = combine_queues
         self.to = [list(column) for column in to]
         self.tier_cost = {**{tier: math.inf for tier in Tier}, **(tier_cost or {}), Tier.DEVICE: 0.0}
         self.num_workers = len(self.to)
@@ -100,7 +104,8 @@ class TransferCosts:
         dispatch = [[profile.relative_dispatch(w, c) for w in range(num_workers)] for c in range(num_workers)]
         nodes = len({profile.node_of(w) for w in range(num_workers)})
         parallel = profile.node_cores * nodes if profile.shared_compute else math.inf
-        return cls(to, {tier: profile.tier_cost(tier) for tier in Tier}, latency, dispatch, parallel)
+        return cls(to, {tier: profile.tier_cost(tier) for tier in Tier}, latency, dispatch, parallel,
+                   profile.combine_queues)
 
     def work_floor(self, problem: "PlanningProblem") -> float:
         """F: the time the shared processors need for all queued work plus this request's cold segments
@@ -300,7 +305,8 @@ class GreedyPlanner:
         tokens, extra = supplied_by_source(problem.hits, self.costs)
         estimates, moved = self.kernel.plan_homes(self.costs.matrix, self.costs.latency_matrix,
                                                   self.costs.dispatch_matrix, queue, by_load, homes,
-                                                  cold[order], tokens, extra, self.costs.work_floor(problem))
+                                                  cold[order], tokens, extra, self.costs.work_floor(problem),
+                                                  self.costs.combine_queues)
         best = estimates.min()
         ties = np.flatnonzero(estimates == best).tolist()  # ascending home, as the Python path sorts
         home = ties[0] if len(ties) == 1 else self.rng.choice(ties)
@@ -354,13 +360,15 @@ class GreedyPlanner:
         dispatch = self.costs.dispatch[home]
         fixed = fixed_transfer(summary, home, self.costs)
         home_fixed = fixed.get(home, 0.0)
+        home_queue = queue[home]
+        if self.costs.combine_queues:  # the combine waits for the home's queue: a fixed part of the home's term
+            home_fixed, home_queue = home_fixed + home_queue, 0.0
         others = max((f for w, f in fixed.items() if w != home), default=0.0) if home in fixed \
             else max(fixed.values(), default=0.0)
         others = max(others, floor)  # F: a term no move changes, like a source's
         if others > bound:
             return others, []
         remaining = sum(lengths)
-        home_queue = queue[home]
         home_time = worker_time(home_queue if remaining else 0.0, remaining, 0.0, home_fixed)
         heap = by_load.copy()
         del heap[position[home]]  # a sorted list stays a valid heap
@@ -415,4 +423,6 @@ def estimate(problem: PlanningProblem, home: int, cold_workers: Sequence[int],
     terms = [worker_time(problem.outstanding[w] if computed[w] else 0.0, computed[w], column[w],
                          fixed.get(w, latency[w] if computed[w] else 0.0)) + (dispatch[w] if computed[w] else 0.0)
              for w in range(costs.num_workers)]
+    if costs.combine_queues:  # the home's term with its queue always in it, in the planner's operation order
+        terms[home] = worker_time(0.0, computed[home], column[home], fixed.get(home, 0.0) + problem.outstanding[home])
     return max(max(terms), costs.work_floor(problem)) + problem.combine_cost

@@ -25,13 +25,16 @@ def measured_cluster_config(spec: ClusterSpec, kv: KVGeometry, prefill_per_token
     Peers of a spec that stays on this machine share its cores (``shared_compute``, unless the spec's
     ``shared_cores`` is off): ``node_cores`` is then how many peers compute at once at the measured speed, this
     machine's cores over this peer's torch threads (the default compare: 2 cores, 1 thread, so 2 of its 4 peers).
-    A spec spanning machines keeps one processor per peer."""
+    A spec spanning machines keeps one processor per peer.
+
+    A peer's engine runs its work in arrival order, so a combine waits behind its home's queue even when every cold
+    segment is computed elsewhere (``combine_queues``; the paper's model gives a combine priority instead)."""
     base = ClusterProfile.load()
     loopback = TransferLink(bandwidth_bytes_per_s=LOOPBACK_BANDWIDTH_BYTES_PER_S, latency_s=spec.remote_read_latency_s)
     profile = replace(base, name="local-cpu", kv_bytes_per_token=max(1, kv.bytes_per_token), intra_node=loopback,
                       inter_node=loopback, gpus_per_node=len(spec.peers),
                       cache_capacity_tokens=kv.num_pages * kv.page_size, dispatch_s=spec.scatter_dispatch_s,
-                      shared_compute=spec.shared_cores and not spec.spans_machines,
+                      shared_compute=spec.shared_cores and not spec.spans_machines, combine_queues=True,
                       node_cores=max(1.0, machine_cores() / torch.get_num_threads()),
                       prefill=replace(base.prefill, per_token_s=prefill_per_token_s, fixed_s=PREFILL_FIXED_S))
     return ClusterConfig(num_prefill_workers=len(spec.prefill_peers), profile=profile)
