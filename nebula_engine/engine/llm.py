@@ -116,11 +116,11 @@ class LLM:
         engine = self.llm_engine
         admitted = [admit(engine, prompt, p, pic_backend, text)  # all of them before any is scheduled
                     for (text, prompt), p in zip(requests, params)]
+        bar = _progress_bar(use_tqdm, len(admitted))  # a bad use_tqdm is refused before anything is queued
         request_ids = [str(next(self._request_counter)) for _ in admitted]
         for request_id, request in zip(request_ids, admitted):
             engine.add_admitted(request_id, request)
         results: dict[str, RequestOutput] = {}
-        bar = _progress_bar(use_tqdm, len(request_ids))
         try:
             while len(results) < len(request_ids):
                 for output in engine.step():

@@ -57,6 +57,7 @@ def test_use_tqdm_counts_finished_prompts(llm, capsys):
     assert "Processed prompts" not in capsys.readouterr().err
     with pytest.raises(ValueError, match="use_tqdm"):
         llm.generate(["a", "b"], GREEDY, use_tqdm="yes")
+    assert not llm.llm_engine.has_unfinished_requests()  # refused before the prompts were queued
 
 
 def test_chat_takes_openai_content_parts(llm):
