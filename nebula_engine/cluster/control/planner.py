@@ -4,7 +4,9 @@
 
 in prefill-token units: Q_w counts only if w computes a cold segment, P_w is the cold tokens it
 computes, D_w = d(w->c) * (all tokens w sends to the home c) plus, for hits on a slow tier, the
-tier's per-token load cost. C, the combine prefill, is the same for every plan.
+tier's per-token load cost. C, the combine prefill, is the same for every plan. §7.2 gives a combine whose KV
+is ready priority at its home; on an engine that runs a home's work in arrival order (this one:
+``TransferCosts.combine_queues``) the home's Q_c counts even when it computes nothing.
 
 Workers that share processors (a local cluster on one machine: ``ClusterProfile.shared_compute``) cannot
 finish before the machine has done all the work it holds, whichever worker computes it. The estimate is then
