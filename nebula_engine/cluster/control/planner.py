@@ -158,6 +158,17 @@ def workers_up(problem: PlanningProblem) -> list[int]:
     return up
 
 
+def home_candidates(problem: PlanningProblem, homes: Sequence[int] | None) -> list[int]:
+    """The workers a plan may make its home, in id order: ``homes`` (None: every worker up); ValueError when one
+    of them is down, or when every worker is."""
+    up = workers_up(problem)
+    if homes is None:
+        return up
+    if not set(homes) <= set(up):
+        raise ValueError(f"homes {sorted(set(homes))} must be workers that are up")
+    return [w for w in up if w in set(homes)]
+
+
 def worker_time(queue: float, computed: float, d: float, fixed: float) -> float:
     """One worker's term of the estimate; ``queue`` is Q_w only when it computes something."""
     return queue + computed + d * computed + fixed
@@ -289,9 +300,7 @@ class GreedyPlanner:
     def plan(self, problem: PlanningProblem, homes: Sequence[int] | None = None) -> GreedyPlan:
         """The best plan whose combine home is one of ``homes`` (None: any worker that is up); every worker
         that is up may still compute cold segments."""
-        candidates = set(workers_up(problem) if homes is None else homes)
-        if not candidates <= set(workers_up(problem)):
-            raise ValueError(f"homes {sorted(candidates)} must be workers that are up")
+        candidates = set(home_candidates(problem, homes))
         if self.kernel is None:
             return self._plan_python(problem, candidates)
         return self._plan_compiled(problem, candidates)

@@ -116,7 +116,10 @@ class NebulaPolicy(Policy):
         up = [w for w, queue in enumerate(view.outstanding()) if queue < math.inf]
         if not up:
             raise ValueError(NO_WORKER_UP)
-        readable = {home: self._readable(keys, holders, home) for home in up}
+        length = {}  # tokens of each PIC content
+        for i in keys.pic_indices:
+            length.setdefault(keys.content_ids[i], keys.tokens[i])
+        readable = {home: self._readable(holders, length, home) for home in up}
         if all(copies == holders for copies in readable.values()):  # every copy pays: Algorithm 1 over all homes
             problem, hit_index, cold_index = self._problem(keys, view, depth, prefix_holders, holders)
             placed = self.scheduler.place(problem)
@@ -125,14 +128,11 @@ class NebulaPolicy(Policy):
         plan = self._to_plan(keys, placed, problem, hit_index, cold_index, depth)
         return self._with_repeats(plan, keys, depth)
 
-    def _readable(self, keys: RequestKeys, holders: dict, home: int) -> dict:
+    def _readable(self, holders: dict, length: dict, home: int) -> dict:
         """Per PIC content, the copies a combine at ``home`` reads rather than recomputes: those whose load and move
         there cost less than recomputing the segment (§7.2's d(w -> c) plus the tier's read cost per token, and the
         link's latency once). With no latency a device copy always passes, as in Algorithm 1; with it, a short
         segment held elsewhere is a hit only for a home that holds it."""
-        length = {}
-        for i in keys.pic_indices:
-            length.setdefault(keys.content_ids[i], keys.tokens[i])
         return {content: tuple((w, tier) for w, tier in copies
                                if self.costs.load_beats_recompute(tier, w, home, length[content]))
                 for content, copies in holders.items()}

@@ -8,7 +8,7 @@ from abc import ABC, abstractmethod
 from typing import Sequence
 
 from nebula_engine.cluster.control.planner import (GreedyPlan, GreedyPlanner, PlanningProblem, TransferCosts,
-                                                  estimate, hit_source, workers_up)
+                                                  estimate, hit_source, home_candidates, workers_up)
 
 
 class Scheduler(ABC):
@@ -20,15 +20,6 @@ class Scheduler(ABC):
     def place(self, problem: PlanningProblem, homes: Sequence[int] | None = None) -> GreedyPlan:
         """Choose a combine home (one of ``homes``; None: any worker that is up), a source per hit and a worker
         per cold segment."""
-
-    @staticmethod
-    def _homes(problem: PlanningProblem, homes: Sequence[int] | None) -> list[int]:
-        up = workers_up(problem)
-        if homes is None:
-            return up
-        if not set(homes) <= set(up):
-            raise ValueError(f"homes {sorted(homes)} must be workers that are up")
-        return [w for w in up if w in set(homes)]
 
     def set_costs(self, costs: TransferCosts) -> None:
         self.costs = costs
@@ -58,7 +49,7 @@ class LocalityScheduler(Scheduler):
     """Home = the worker with the most local PC/PIC hit tokens; cold segments computed there."""
 
     def place(self, problem: PlanningProblem, homes: Sequence[int] | None = None) -> GreedyPlan:
-        local = dict.fromkeys(self._homes(problem, homes), 0)
+        local = dict.fromkeys(home_candidates(problem, homes), 0)
         for hit in problem.hits:
             for worker, _ in hit.holders:
                 if worker in local:
@@ -77,7 +68,7 @@ class LoadScheduler(Scheduler):
     COMBINE = -1
 
     def place(self, problem: PlanningProblem, homes: Sequence[int] | None = None) -> GreedyPlan:
-        load, up, candidates = list(problem.outstanding), workers_up(problem), self._homes(problem, homes)
+        load, up, candidates = list(problem.outstanding), workers_up(problem), home_candidates(problem, homes)
         tasks = [(length, i) for i, length in enumerate(problem.cold)]
         tasks.append((problem.combine_cost, self.COMBINE))
         tasks.sort(key=lambda task: (-task[0], task[1]))
