@@ -92,6 +92,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: s
     else:
         x1, x2 = rot[..., 0::2], rot[..., 1::2]
         rotated = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+    if passthrough.shape[-1] == 0:  # every dim rotates: no concatenation (a copy per call)
+        return rotated.to(x.dtype)
     return torch.cat([rotated.to(x.dtype), passthrough], dim=-1)
 
 
