@@ -10,6 +10,7 @@ cached in index order (``order`` is never the identity, so every reused document
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 
@@ -29,6 +30,35 @@ QUESTIONS = {
 }
 
 
+# background sentences that lengthen a document without stating another founder, year, town or head count
+_DETAILS = (
+    "Its main building has {colour} walls and a {material} roof that was repaired after a storm.",
+    "Visitors often mention the {adjective} garden behind the entrance and the {adjective2} smell of the old library.",
+    "Every member receives a {colour} badge on the first day and learns the house rules from an older colleague.",
+    "The staff meet in the {room} each week to plan the next season and to discuss letters from the public.",
+    "A small museum on the ground floor shows {objects} collected over many decades.",
+    "The {kind_word} is known in the region for its careful records and its {adjective} annual celebration.",
+    "Several paintings of the surrounding hills hang in the {room}, most of them by local artists.",
+    "In winter the {material} stove in the {room} is kept burning from early morning until late at night.",
+    "Its newsletter describes recent work, upcoming events and the history of the {objects} in its care.",
+    "Young volunteers help with the {objects} during the summer and stay in a {colour} guest house nearby.",
+    "The road to the entrance is lined with {adjective} trees that were planted by the first members.",
+    "Its archive keeps old maps, letters and photographs, and it is open to researchers on request.",
+)
+_FILL = {"colour": ("white", "grey", "yellow", "green", "blue", "red"),
+         "material": ("slate", "copper", "tile", "iron", "stone", "wooden"),
+         "adjective": ("quiet", "famous", "large", "beautiful", "old", "busy"),
+         "adjective2": ("faint", "pleasant", "strong", "familiar", "dusty", "sweet"),
+         "room": ("great hall", "reading room", "east wing", "meeting room", "attic", "courtyard"),
+         "objects": ("instruments", "tools", "old books", "models", "photographs", "maps"),
+         "kind_word": ("place", "institution", "house", "organisation")}
+
+
+def _details(rng: random.Random, count: int) -> tuple[str, ...]:
+    chosen = rng.sample(range(len(_DETAILS)), min(count, len(_DETAILS)))
+    return tuple(_DETAILS[i].format(**{key: rng.choice(values) for key, values in _FILL.items()}) for i in chosen)
+
+
 def _word(rng: random.Random, syllables: int) -> str:
     return "".join(rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS)
                    for _ in range(syllables)).capitalize()
@@ -43,6 +73,7 @@ class FictionalOrganisation:
     founder: str
     year: int
     staff: int
+    details: tuple[str, ...] = ()  # background sentences after the facts
 
     @classmethod
     def random(cls, rng: random.Random) -> FictionalOrganisation:
@@ -54,7 +85,7 @@ class FictionalOrganisation:
         # every fact in the first sentence: a small model that answers by restating it still states the answer
         return (f"The {self.name} was founded by {self.founder} in {self.year} in the town of {self.town}, "
                 f"where {self.staff} {self.staff_noun} work today. It is a {self.kind} with a long history, and "
-                f"its annual report is published every spring.")
+                f"its annual report is published every spring." + "".join(f" {d}" for d in self.details))
 
     def answer(self, fact: str) -> str:
         return {"founder": self.founder, "year": str(self.year), "town": self.town, "staff": str(self.staff)}[fact]
@@ -68,10 +99,15 @@ class FactPrompt:
     fact: str  # which fact (a key of QUESTIONS)
 
     @classmethod
-    def random(cls, seed: int, min_docs: int = 4, max_docs: int = 6) -> FactPrompt:
+    def random(cls, seed: int, min_docs: int = 4, max_docs: int = 6, detail_sentences: int = 0) -> FactPrompt:
+        """``detail_sentences`` background sentences per document lengthen it (12: ~270 tokens, RAGPulse's)."""
         rng = random.Random(seed)
         count = rng.randint(min_docs, max_docs)
         organisations = tuple(FictionalOrganisation.random(rng) for _ in range(count))
+        if detail_sentences:  # drawn apart, so a seed states the same facts and asks the same question either way
+            details = random.Random(f"details-{seed}")
+            organisations = tuple(dataclasses.replace(o, details=_details(details, detail_sentences))
+                                  for o in organisations)
         order = list(range(count))
         while order == sorted(order):
             rng.shuffle(order)

@@ -464,6 +464,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--segment-sink", choices=("auto", "none"), default="auto",
                         help="facts: prefill each document behind the model's sink token (auto, the engine's "
                              "default) or alone (none: how PIC ran before issue #12)")
+    parser.add_argument("--doc-sentences", type=int, default=0,
+                        help="facts: background sentences added to each document after its facts (12: ~300 tokens, "
+                             "RAGPulse's documents); 0: the two-sentence documents (~60 tokens)")
     parser.add_argument("--sweep", action="store_true",
                         help="facts: also run each named backend at the sweep settings of pic_quality_rag.SWEEPS "
                              "(recomputed share ~5-30%%)")
@@ -528,6 +531,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         report = run_facts(args.model, args.backend, args.num_prompts, args.seed, args.page_size, args.markdown,
                            args.png, sink=args.segment_sink == "auto", sweep=args.sweep,
+                           detail_sentences=args.doc_sentences,
                            progress_path=args.progress)
         if args.out:
             Path(args.out).write_text(json.dumps(report, indent=2))

@@ -111,13 +111,13 @@ def measure(harness: PICHarness, spec: str, prompt: ChatPrompt, reference, prefi
 
 
 def evaluate(harness: PICHarness, specs: list[str], num_prompts: int, seed: int,
-             progress_path: str | None = None) -> dict:
+             progress_path: str | None = None, detail_sentences: int = 0) -> dict:
     """Per prompt (seeds ``seed`` .. ``seed + num_prompts - 1``) and spec, the rows of ``measure``; after each
     prompt the rows so far go to ``progress_path`` (JSON) when given, so a cut run still has them."""
     per_spec: dict[str, list[dict]] = {spec: [] for spec in specs}
     off = []
     for index in range(num_prompts):
-        prompt = ChatPrompt.build(harness, FactPrompt.random(seed + index))
+        prompt = ChatPrompt.build(harness, FactPrompt.random(seed + index, detail_sentences=detail_sentences))
         ids = list(prompt.segmented.token_ids)
         reference = full_reference(harness, ids, REPLY_TOKENS)
         try:
@@ -202,8 +202,8 @@ def plot(report: dict, path: str) -> None:
 
 def run(model: str, specs: list[str] | None, num_prompts: int, seed: int, page_size: int,
         markdown: str | None, png: str | None, sink: bool = True, sweep: bool = False,
-        progress_path: str | None = None) -> dict:
-    harness = PICHarness(model, num_pages=400, page_size=page_size)
+        progress_path: str | None = None, detail_sentences: int = 0) -> dict:
+    harness = PICHarness(model, num_pages=400 if not detail_sentences else 1600, page_size=page_size)
     if not sink:
         harness.executor.bos_token_id = None  # documents prefilled alone, with no sink before them
     if harness.has_linear_attention:
@@ -211,8 +211,9 @@ def run(model: str, specs: list[str] | None, num_prompts: int, seed: int, page_s
     specs = specs or list(DEFAULT_SPECS)
     if sweep:
         specs = with_sweep(specs)
-    measured = evaluate(harness, specs, num_prompts, seed, progress_path)
-    return finish({"model": model, "segment_sink": harness.executor.bos_token_id, "seed": seed, **measured},
+    measured = evaluate(harness, specs, num_prompts, seed, progress_path, detail_sentences)
+    return finish({"model": model, "segment_sink": harness.executor.bos_token_id, "seed": seed,
+                   "detail_sentences": detail_sentences, **measured},
                   markdown, png)
 
 

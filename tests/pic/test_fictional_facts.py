@@ -26,3 +26,14 @@ def test_answers_are_checked_case_insensitively_in_the_reply():
 
 def test_prompts_are_reproducible_from_their_seed():
     assert FactPrompt.random(7) == FactPrompt.random(7) and FactPrompt.random(7) != FactPrompt.random(8)
+
+
+def test_background_sentences_lengthen_documents_without_touching_the_facts():
+    for seed in range(20):
+        short, long = FactPrompt.random(seed), FactPrompt.random(seed, detail_sentences=12)
+        assert [o.name for o in long.organisations] == [o.name for o in short.organisations]  # same facts drawn
+        assert (long.order, long.asked, long.fact, long.answer) == (short.order, short.asked, short.fact, short.answer)
+        for brief, full in zip(short.documents, long.documents):
+            details = full[len(brief):]
+            assert full.startswith(brief) and details.count(". ") >= 11
+            assert not any(ch.isdigit() for ch in details)  # no second year or head count to confuse a question
