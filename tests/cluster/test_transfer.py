@@ -142,6 +142,23 @@ def test_read_scattered_pages_copies_exactly_and_nothing_else(pools):
 
 
 @needs_nixl
+def test_a_holder_that_expects_no_reads_still_serves_one(pools):
+    """``serve_reads(False)`` only slows the holder's progress thread: a read that comes anyway completes, exactly."""
+    a, b = pools["A"], pools["B"]
+    remote, local = [2, 8, 30], [10, 11, 25]
+    expected = b.call("tensors")
+    for dst, src in zip(expected, a.call("tensors")):
+        dst[local] = src[remote]
+    a.call("serve_reads", False)
+    try:
+        b.call("read_pages", "A", remote, local)
+    finally:
+        a.call("serve_reads", True)
+    for got, want in zip(b.call("tensors"), expected, strict=True):
+        assert torch.equal(got, want)
+
+
+@needs_nixl
 def test_incompatible_layout_is_rejected(pools):
     with pytest.raises(ValueError, match=r"pool tensor 0 pages differ.*\[4, 2, 4\].*\[4, 2, 8\]"):
         pools["B"].call("add_peer", "C", pools["C"].metadata)

@@ -12,6 +12,7 @@ from nebula_engine.cluster.runtime.liveness import Liveness
 from nebula_engine.cluster.runtime.worker import WorkerService
 from nebula_engine.engine.async_engine import AsyncLLMEngine
 from nebula_engine.engine.cluster_port import EngineClusterPort
+from nebula_engine.engine.sampling_params import SamplingParams
 from nebula_engine.pic.segments import PromptSegment, SegmentedPrompt, SegmentKind
 
 
@@ -61,3 +62,38 @@ def test_a_late_prefix_pin_reply_is_answered_with_an_unpin_and_a_refusal_with_no
     refused = sent[-1][1]
     worker.on_pin_reply(wire.PinReply(sender="holder", tag=refused.tag, ok=False))
     assert sent[-1][1] is refused  # nothing was pinned, so nothing is unpinned
+
+
+class RecordingAgent:
+    """Records what the worker tells its transfer agent about reads of its pages."""
+
+    def __init__(self):
+        self.expected: list[bool] = []
+
+    def serve_reads(self, expected: bool) -> None:
+        self.expected.append(expected)
+
+
+def test_the_agent_progresses_fast_only_while_a_peer_holds_a_pin(engine):
+    port, agent, sent = EngineClusterPort(engine), RecordingAgent(), []
+    worker = WorkerService("me", "prefill", 0, port, agent=agent, send=lambda peer, msg: sent.append((peer, msg)),
+                           leader=lambda: "me", pic_key=lambda spec, ids: "key",
+                           liveness=Liveness("me", ["me", "reader"], dead_after_s=3.0))
+    ids, prompt = list(range(500, 512)), list(range(520, 540))
+
+    async def pins():
+        await port.prefill_segment("epic", ids)
+        async for _ in engine.generate("pinned-prefix", prompt, SamplingParams(max_tokens=1)):
+            pass
+        key = port.segment_key("epic", ids)
+        await worker.on_pin(wire.PinSegment(sender="reader", tag="s", key=key, num_tokens=len(ids), wait_s=0.0))
+        await worker.on_pin_prefix(wire.PinPrefix(sender="reader", tag="p", token_ids=prompt))
+        after_pins = list(agent.expected)
+        await worker.on_unpin(wire.Unpin(sender="reader", key=key))
+        await worker.on_unpin_prefix(wire.UnpinPrefix(sender="reader", tag="p"))
+        return after_pins
+
+    after_pins = asyncio.run(pins())
+    assert all(reply.ok for _, reply in sent)
+    assert after_pins[0] is False and after_pins[-1] is True  # idle from the start; fast once a peer may read
+    assert agent.expected[-1] is False  # every pin released: idle again

@@ -70,6 +70,10 @@ def nixl_available() -> bool:
 
 
 PROGRESS_INTERVAL_S = 0.0005
+# while no peer is expected to read our pages (``KVTransferAgent.serve_reads(False)``): an idle peer's progress
+# thread then wakes 50 times a second instead of 2,000 (2.5% of a core each at 0.5 ms, measured on idle peers);
+# a read that comes unannounced waits at most this long for our side to move
+IDLE_PROGRESS_INTERVAL_S = 0.02
 UCX_DEVICES_ENV = "UCX_NET_DEVICES"
 
 
@@ -235,14 +239,27 @@ class KVTransferAgent:
                                                         self._layout.mem_type)
         self._unreleased: list[Any] = []  # transfer handles NIXL refused to release (retried at close)
         self._closed = False
+        self._serving = True  # progress every PROGRESS_INTERVAL_S; False: IDLE_PROGRESS_INTERVAL_S
+        self._wake_progress = threading.Event()
         self._stop_progress = threading.Event()
         self._progress_thread = threading.Thread(target=self._progress_loop, name=f"nixl-progress-{name}",
                                                  daemon=True)
         self._progress_thread.start()
 
+    def serve_reads(self, expected: bool) -> None:
+        """Whether peers may be reading our pages now (a worker holds pins for them): progress every
+        PROGRESS_INTERVAL_S while they may, every IDLE_PROGRESS_INTERVAL_S otherwise. A new agent expects reads."""
+        if expected != self._serving:
+            self._serving = expected
+            self._wake_progress.set()
+
     def _progress_loop(self) -> None:
         """Serve one-sided reads of our pages by other agents: UCX needs this side to progress too."""
-        while not self._stop_progress.wait(PROGRESS_INTERVAL_S):
+        while not self._stop_progress.is_set():
+            self._wake_progress.wait(PROGRESS_INTERVAL_S if self._serving else IDLE_PROGRESS_INTERVAL_S)
+            self._wake_progress.clear()
+            if self._stop_progress.is_set():
+                return
             with self._lock:
                 if self._closed:
                     return
@@ -322,6 +339,7 @@ class KVTransferAgent:
     def close(self) -> None:
         """Drop every peer and deregister the pool memory; idempotent."""
         self._stop_progress.set()
+        self._wake_progress.set()
         if self._progress_thread is not threading.current_thread():
             self._progress_thread.join(timeout=5)
         with self._lock:

@@ -160,6 +160,7 @@ class WorkerService:
         self._pinned: dict[str, list[SegmentPin]] = {}  # key -> pins held for remote readers
         self._pinned_prefixes: dict[tuple[str, str], PrefixPin] = {}  # (reader, tag) -> pin held for it
         self._handoffs: dict[str, asyncio.Future] = {}  # request id -> done when the decode peer has read
+        self._reads_expected()  # none yet: the agent progresses slowly until a pin or a hand-off
         self._streams: dict[str, asyncio.Task] = {}  # request id -> task serving it here
         self._pc_page_keys: dict[str, set[str]] = {}  # radix page hash -> segment chain keys ending in it
         self._next_seq = 1  # sequence number of the next event reported to the router (cache events and task done)
@@ -319,6 +320,7 @@ class WorkerService:
         state = await self.engine.held_state(engine_id)
         handoff_done = asyncio.get_running_loop().create_future()
         self._handoffs[engine_id] = handoff_done
+        self._reads_expected()
         self.send(msg.decode_peer, wire.Handoff(
             sender=self.name, request_id=msg.request_id, attempt=msg.attempt, frontend=msg.frontend,
             prompt_token_ids=list(first.prompt_token_ids), first_token=completion.token_ids[0],
@@ -328,6 +330,7 @@ class WorkerService:
             outcome = await self._unless_dead(handoff_done, msg.decode_peer, HANDOFF_TIMEOUT_S)
         finally:
             self._handoffs.pop(engine_id, None)
+            self._reads_expected()
             await self.engine.release_held(engine_id)
         if outcome != "done":
             logger.warning("decode peer %s did not take the hand-off of %s (%s)", msg.decode_peer, msg.request_id,
@@ -478,12 +481,14 @@ class WorkerService:
         pin = await self.engine.pin_prefix(msg.token_ids)
         if pin is not None:
             self._pinned_prefixes[(msg.sender, msg.tag)] = pin
+            self._reads_expected()
         self.send(msg.sender, wire.PinReply(sender=self.name, tag=msg.tag, ok=pin is not None,
                                             pages=list(pin.pages) if pin else []))
 
     async def on_unpin_prefix(self, msg: wire.UnpinPrefix) -> None:
         pin = self._pinned_prefixes.pop((msg.sender, msg.tag), None)
         if pin is not None:
+            self._reads_expected()
             await self.engine.unpin_prefix(pin)
 
     async def on_pin(self, msg: wire.PinSegment) -> None:
@@ -506,9 +511,15 @@ class WorkerService:
             self.send(msg.sender, wire.PinReply(sender=self.name, tag=msg.tag, ok=False, pages=[], state=b""))
             return
         self._pinned.setdefault(msg.key, []).append(pin)
+        self._reads_expected()
         self.send(msg.sender, wire.PinReply(sender=self.name, tag=msg.tag, ok=True, pages=list(pin.pages),
                                             state=state))
         logger.debug("pinned %s for %s in %.4f s", msg.key, msg.sender, time.monotonic() - start)
+
+    def _reads_expected(self) -> None:
+        """Tell the transfer agent whether a peer may be reading our pages: a pin held for it or a hand-off."""
+        if self.agent is not None:
+            self.agent.serve_reads(bool(self._pinned or self._pinned_prefixes or self._handoffs))
 
     def _abandon_pin(self, tag: str, unpin: wire.Msg) -> None:
         self._abandoned_pins[tag] = unpin
@@ -531,6 +542,7 @@ class WorkerService:
         pin = pins.pop()
         if not pins:
             del self._pinned[msg.key]
+            self._reads_expected()
         await self.engine.unpin_segment(pin)
 
     # ---- decode side ----
