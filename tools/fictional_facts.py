@@ -54,8 +54,13 @@ _FILL = {"colour": ("white", "grey", "yellow", "green", "blue", "red"),
          "kind_word": ("place", "institution", "house", "organisation")}
 
 
+MAX_DETAIL_SENTENCES = len(_DETAILS)  # each document draws them without repeats
+
+
 def _details(rng: random.Random, count: int) -> tuple[str, ...]:
-    chosen = rng.sample(range(len(_DETAILS)), min(count, len(_DETAILS)))
+    if not 0 <= count <= MAX_DETAIL_SENTENCES:
+        raise ValueError(f"detail sentences must be 0 to {MAX_DETAIL_SENTENCES}, got {count}")
+    chosen = rng.sample(range(len(_DETAILS)), count)
     return tuple(_DETAILS[i].format(**{key: rng.choice(values) for key, values in _FILL.items()}) for i in chosen)
 
 

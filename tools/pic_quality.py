@@ -465,8 +465,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="facts: prefill each document behind the model's sink token (auto, the engine's "
                              "default) or alone (none: how PIC ran before issue #12)")
     parser.add_argument("--doc-sentences", type=int, default=0,
-                        help="facts: background sentences added to each document after its facts (12: ~300 tokens, "
-                             "RAGPulse's documents); 0: the two-sentence documents (~60 tokens)")
+                        help="facts: background sentences added to each document after its facts, 0 to 12 (12: "
+                             "~270 tokens, RAGPulse's documents); 0: the two-sentence documents (~60 tokens)")
     parser.add_argument("--sweep", action="store_true",
                         help="facts: also run each named backend at the sweep settings of pic_quality_rag.SWEEPS "
                              "(recomputed share ~5-30%%)")
@@ -505,6 +505,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.prompts = args.prompts or ("facts" if args.model else "random")
     if args.prompts == "facts" and not args.model:
         parser.error("--prompts facts needs --model with real weights (random models cannot answer)")
+    from fictional_facts import MAX_DETAIL_SENTENCES
+
+    if not 0 <= args.doc_sentences <= MAX_DETAIL_SENTENCES:
+        parser.error(f"--doc-sentences must be 0 to {MAX_DETAIL_SENTENCES}, got {args.doc_sentences}")
     return args
 
 

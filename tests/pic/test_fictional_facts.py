@@ -3,6 +3,8 @@
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 from fictional_facts import QUESTIONS, FactPrompt  # noqa: E402
 
@@ -37,3 +39,10 @@ def test_background_sentences_lengthen_documents_without_touching_the_facts():
             details = full[len(brief):]
             assert full.startswith(brief) and details.count(". ") >= 11
             assert not any(ch.isdigit() for ch in details)  # no second year or head count to confuse a question
+
+
+def test_more_background_sentences_than_there_are_is_a_clear_error():
+    with pytest.raises(ValueError, match="0 to 12, got 13"):
+        FactPrompt.random(1, detail_sentences=13)
+    with pytest.raises(ValueError, match="got -1"):
+        FactPrompt.random(1, detail_sentences=-1)
