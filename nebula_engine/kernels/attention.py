@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 import torch.nn.functional as F
 
+from nebula_engine.kernels import cpu_paged_decode
+
 if TYPE_CHECKING:  # mla_attention builds on this module
     from nebula_engine.kernels.mla_attention import MLAAttentionBackend, MLAParams
     from nebula_engine.model.rotary import RotaryEmbedding
@@ -153,19 +155,22 @@ class ContextPlan:
 
 @dataclass(frozen=True)
 class DecodeBatch:
-    """Decode sequences of a batch, read together: one gather of their context and one SDPA call per layer
-    instead of a Python loop over sequences (vLLM's paged decode kernel does the same in one launch).
+    """Decode sequences of a batch, read together: one attention call per layer for all of them instead of a
+    Python loop over sequences (vLLM's paged decode kernel does the same in one launch).
 
-    Contexts are padded to the longest one. A padded key repeats the sequence's own last token and the mask
-    hides it: slots the sequence never wrote (a page's unused tail, a fresh pool's garbage, another request's
-    leftovers) are never read, since -inf plus a NaN read from them would still be NaN.
+    On CPU in fp32 the C++ kernel of ``cpu_paged_decode`` reads each sequence's pages in place. Elsewhere one gather
+    copies the contexts out, padded to the longest one, and one SDPA call reads them: a padded key repeats the
+    sequence's own last token and the mask hides it. Slots the sequence never wrote (a page's unused tail, a fresh
+    pool's garbage, another request's leftovers) are never read, since -inf plus a NaN read from them would still be
+    NaN.
     """
 
     seqs: list[int]  # indices of the decode sequences in the batch
     rows: torch.Tensor  # [Bd] their query row in the batch's tokens
-    slots: torch.Tensor  # [Bd * Lmax] cache slot of each (sequence, context position), padding clamped
+    block_tables: torch.Tensor  # [Bd, max_pages] their page ids
     seq_lens: torch.Tensor  # [Bd] context lengths
     max_len: int
+    page_size: int
     covers_batch: bool  # every row of the batch is a decode row, in order
     _masks: dict[tuple[int | None, torch.dtype], torch.Tensor] = field(default_factory=dict, compare=False,
                                                                       repr=False)
@@ -173,14 +178,20 @@ class DecodeBatch:
     @classmethod
     def of(cls, meta: AttentionMetadata, seqs: list[int]) -> DecodeBatch:
         device = meta.block_tables.device
-        index = torch.tensor(seqs, device=device)
         lengths = torch.tensor([meta.seq_lens[b] for b in seqs], device=device)
-        max_len = int(lengths.max())
-        positions = torch.minimum(torch.arange(max_len, device=device)[None, :], lengths[:, None] - 1)  # [Bd, Lmax]
-        pages = meta.block_tables.index_select(0, index).gather(1, positions // meta.page_size)
-        slots = (pages * meta.page_size + positions % meta.page_size).flatten()
+        tables = meta.block_tables if len(seqs) == meta.num_seqs else \
+            meta.block_tables.index_select(0, torch.tensor(seqs, device=device))
         rows = torch.tensor([meta.query_start_loc[b] for b in seqs], device=device)
-        return cls(seqs, rows, slots, lengths, max_len, len(seqs) == meta.query_start_loc[-1])
+        return cls(seqs, rows, tables, lengths, max(meta.seq_lens[b] for b in seqs), meta.page_size,
+                   len(seqs) == meta.query_start_loc[-1])
+
+    @cached_property
+    def slots(self) -> torch.Tensor:
+        """[Bd * Lmax] cache slot of each (sequence, context position), padding clamped to the last token."""
+        positions = torch.minimum(torch.arange(self.max_len, device=self.seq_lens.device)[None, :],
+                                  self.seq_lens[:, None] - 1)  # [Bd, Lmax]
+        pages = self.block_tables.gather(1, positions // self.page_size)
+        return (pages * self.page_size + positions % self.page_size).flatten()
 
     def mask(self, sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor:
         """[Bd, 1, 1, Lmax]: 0 at the keys each query sees, -inf elsewhere (built once per forward and window)."""
@@ -197,16 +208,19 @@ class DecodeBatch:
         return self._masks[key]
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
-               mask: torch.Tensor) -> torch.Tensor:
+               sliding_window: int | None = None) -> torch.Tensor:
         """q [Bd, H, D] (one token per sequence) -> [Bd, H, Dv]."""
+        if cpu_paged_decode.usable(q, k_cache, v_cache):
+            return cpu_paged_decode.paged_decode(q, k_cache, v_cache, self.block_tables, self.seq_lens, scale,
+                                                 sliding_window)
         batch = q.shape[0]
         # [Bd, Hkv, Lmax, D] as a view of the gathered slots: SDPA takes the strides as they are
         keys = k_cache.view(-1, *k_cache.shape[2:]).index_select(0, self.slots)
         values = v_cache.view(-1, *v_cache.shape[2:]).index_select(0, self.slots)
         keys = keys.view(batch, self.max_len, *k_cache.shape[2:]).transpose(1, 2)
         values = values.view(batch, self.max_len, *v_cache.shape[2:]).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=mask, scale=scale,
-                                             enable_gqa=keys.shape[1] != q.shape[1])
+        out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=self.mask(sliding_window, q.dtype),
+                                             scale=scale, enable_gqa=keys.shape[1] != q.shape[1])
         return out[:, :, 0]
 
 
@@ -272,9 +286,10 @@ class TorchPagedAttention(AttentionBackend):
         if kv_cache is not None and meta.slot_mapping is not None:
             write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
         decode = meta.decode_batch if kv_cache is not None else None
-        if decode is not None and len(decode.seqs) > 1:
+        # one sequence alone reads its pages in place through ContextPlan views unless the kernel does it
+        if decode is not None and (len(decode.seqs) > 1 or cpu_paged_decode.usable(q, kv_cache[0], kv_cache[1])):
             batched = decode.attend(q if decode.covers_batch else q.index_select(0, decode.rows),
-                                    kv_cache[0], kv_cache[1], scale, decode.mask(sliding_window, q.dtype))
+                                    kv_cache[0], kv_cache[1], scale, sliding_window)
             if decode.covers_batch:
                 return batched
             out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])

@@ -12,6 +12,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from nebula_engine.kernels import cpu_paged_decode
 from nebula_engine.kernels.cpu_linear import prepack
 from nebula_engine.model.config import ModelConfig
 from nebula_engine.model.registry import get_model_class
@@ -129,4 +130,6 @@ def load_model(model: str, dtype: torch.dtype = torch.float32,
     # 48 requests)
     module.requires_grad_(False)
     prepack(module)
+    if torch.device(device).type == "cpu" and dtype == torch.float32:
+        cpu_paged_decode.load()  # built now (once per machine, ~8 s), not in a server's first decode step
     return module.eval(), config, source

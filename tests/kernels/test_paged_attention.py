@@ -1,12 +1,26 @@
 """The paged attention paths against plain causal attention over the gathered context."""
 
+import shutil
+
 import pytest
 import torch
 
+from nebula_engine.kernels import cpu_paged_decode
 from nebula_engine.kernels.attention import (AttentionMetadata, TorchPagedAttention, causal_attention,
                                              decode_attention, gather_kv)
 
 PAGE_SIZE = 4
+
+
+@pytest.fixture(params=["cpu-kernel", "torch"])
+def decode_path(request):
+    """Backend decode through the C++ kernel (reads pages in place) and through gather + SDPA."""
+    kernel = request.param == "cpu-kernel"
+    if kernel and shutil.which("c++") is None:
+        pytest.skip("no C++ compiler to build the kernel with")
+    previous = cpu_paged_decode.set_enabled(kernel)
+    yield request.param
+    cpu_paged_decode.set_enabled(previous)
 
 
 def _cache(num_pages, num_kv_heads, head_dim, v_head_dim, generator):
@@ -37,7 +51,7 @@ def test_page_runs_split_at_gaps_and_cover_only_the_context():
     assert meta.page_runs == [[(4, 3)], [(9, 1), (2, 2), (7, 2)]]
 
 
-def test_backend_decode_rows_match_prefill_rows_of_one_longer_pass():
+def test_backend_decode_rows_match_prefill_rows_of_one_longer_pass(decode_path):
     """Decode through the backend equals the last row of a full causal pass over the same tokens."""
     generator = torch.Generator().manual_seed(0)
     heads, kv_heads, dim, length = 4, 2, 8, 11
@@ -72,7 +86,7 @@ def test_sliding_window_sees_only_the_last_window_keys(q_len, ctx_len, window):
 
 
 @pytest.mark.parametrize("window", [None, 3, 6])
-def test_batched_decode_rows_match_each_sequence_alone(window):
+def test_batched_decode_rows_match_each_sequence_alone(window, decode_path):
     """Decode rows of several sequences (scattered pages, different lengths, a prefill chunk between them) read
     in one batched call equal causal attention over each sequence's own gathered context."""
     generator = torch.Generator().manual_seed(7)
@@ -97,7 +111,7 @@ def test_batched_decode_rows_match_each_sequence_alone(window):
         torch.testing.assert_close(out[start:end], expected, atol=1e-5, rtol=1e-5)
 
 
-def test_batch_of_only_decode_rows_is_one_call_that_reads_no_slot_outside_the_contexts():
+def test_batch_of_only_decode_rows_is_one_call_that_reads_no_slot_outside_the_contexts(decode_path):
     """Slots past a context (a page's unused tail, other pages) hold NaN, as garbage or a failed request's
     leftovers can: the shorter sequence's padding must not read them."""
     generator = torch.Generator().manual_seed(3)
