@@ -32,19 +32,6 @@ struct Shape {
   int64_t heads, kv_heads, group, dim, v_dim, page_size;
 };
 
-// Ask for page `page`'s K/V of KV heads [h0, h1) now: pages lie anywhere in the pool, so the hardware prefetcher
-// cannot guess the next one (measured: 30 SmolLM2 layers at 32 sequences, 15.7 ms -> 12.1 ms).
-inline void prefetch_page(const Shape& s, const float* k_cache, const float* v_cache, int64_t page, int64_t tokens,
-                          int64_t h0, int64_t h1, int64_t dim, int64_t v_dim) {
-  for (int64_t t = 0; t < tokens; ++t) {
-    const int64_t slot = (page * s.page_size + t) * s.kv_heads + h0;
-    const char* k = reinterpret_cast<const char*>(k_cache + slot * dim);
-    const char* v = reinterpret_cast<const char*>(v_cache + slot * v_dim);
-    for (int64_t byte = 0; byte < (h1 - h0) * dim * 4; byte += 64) __builtin_prefetch(k + byte);
-    for (int64_t byte = 0; byte < (h1 - h0) * v_dim * 4; byte += 64) __builtin_prefetch(v + byte);
-  }
-}
-
 // One sequence: its query heads of KV heads [h0, h1) over context tokens [first, length). kDim / kVDim > 0 fix
 // the head dims at compile time (the dot products then unroll); 0 reads them from `s`.
 template <int64_t kDim, int64_t kVDim>
@@ -60,12 +47,21 @@ void attend_sequence(const Shape& s, const float* q, const float* k_cache, const
   for (int64_t position = first; position < length;) {
     const int64_t page = pages[position / s.page_size], offset = position % s.page_size;
     const int64_t count = std::min(s.page_size - offset, length - position);
-    const int64_t ahead = (position / s.page_size + 1) * s.page_size;
-    if (ahead < length)
-      prefetch_page(s, k_cache, v_cache, pages[ahead / s.page_size], std::min(s.page_size, length - ahead), h0, h1,
-                    dim, v_dim);
     const float* keys = k_cache + (page * s.page_size + offset) * k_row;
     const float* values = v_cache + (page * s.page_size + offset) * v_row;
+    // pages lie anywhere in the pool, so the hardware prefetcher cannot guess the next one: ask for it now (30
+    // SmolLM2 layers at 32 sequences: 15.7 -> 12.1 ms; the same loop in a helper function measured 15.3 ms)
+    const int64_t ahead = (position / s.page_size + 1) * s.page_size;  // the next page's first token
+    if (ahead < length) {
+      const int64_t next = pages[ahead / s.page_size], next_count = std::min(s.page_size, length - ahead);
+      for (int64_t t = 0; t < next_count; ++t) {
+        const int64_t slot = (next * s.page_size + t) * s.kv_heads + h0;
+        const char* k_next = reinterpret_cast<const char*>(k_cache + slot * dim);
+        const char* v_next = reinterpret_cast<const char*>(v_cache + slot * v_dim);
+        for (int64_t byte = 0; byte < (h1 - h0) * dim * 4; byte += 64) __builtin_prefetch(k_next + byte);
+        for (int64_t byte = 0; byte < (h1 - h0) * v_dim * 4; byte += 64) __builtin_prefetch(v_next + byte);
+      }
+    }
     for (int64_t row = 0; row < rows; ++row) {
       const int64_t h = h0 + row / s.group;
       const float* qr = queries.data() + row * dim;
