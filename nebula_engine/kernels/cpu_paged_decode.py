@@ -7,13 +7,15 @@ next one, with an online softmax: 12 ms for the same 30 layers (``tools/bench_fo
 
 The kernel is compiled for this machine on first use (``-O3 -march=native``, ~8 s) by torch's ``cpp_extension``
 into its extension cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) and loaded from there
-afterwards. It runs on torch's own OpenMP pool (``at::parallel_for``): a kernel from numba or a library built with
-its own ``-fopenmp`` brings a second OpenMP runtime whose threads fight torch's (measured at stop 28: a prefill beside
-it took twice the CPU time). Without a C++ compiler or ninja, or with ``NEBULA_CPU_KERNELS=0``, the torch path runs.
+afterwards; processes that load it at once wait for one build. It runs on torch's own OpenMP pool
+(``at::parallel_for``): a kernel from numba or a library built with its own ``-fopenmp`` brings a second OpenMP
+runtime whose threads fight torch's (measured at stop 28: a prefill beside it took twice the CPU time). Without a
+C++ compiler or ninja, or with ``NEBULA_CPU_KERNELS=0``, the torch path runs.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -61,6 +63,26 @@ def _first_error_line(error: Exception) -> str:
     return next((line for line in lines if "error" in line.lower()), lines[-1] if lines else type(error).__name__)
 
 
+def _build_and_load() -> None:
+    """``cpp_extension.load`` into a folder of its own, one process at a time.
+
+    torch's own guard is a lock file that a build killed midway (SIGKILL, a lost machine) leaves behind, and every
+    later load then waits for it forever. Here the processes queue on an ``flock``, which the OS releases when its
+    holder dies, and the holder clears a torch lock file that no live build can own."""
+    from torch.utils import cpp_extension
+
+    _ensure_ninja()
+    name = _build_name()
+    folder = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()) / name
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "nebula-build.lock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        (folder / "lock").unlink(missing_ok=True)
+        cpp_extension.load(name, [str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                           extra_ldflags=["-fopenmp"], build_directory=str(folder), is_python_module=False,
+                           verbose=False)
+
+
 def load() -> bool:
     """Build (once per machine) and load the kernel; True when ``torch.ops.nebula_cpu.paged_decode`` is usable.
     A failure is logged once and the torch path is used from then on."""
@@ -71,11 +93,7 @@ def load() -> bool:
         if _LOADED is not None:
             return _LOADED
         try:
-            from torch.utils import cpp_extension
-
-            _ensure_ninja()
-            cpp_extension.load(_build_name(), [str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                               extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+            _build_and_load()
             _LOADED = True
         except Exception as error:  # no compiler, no ninja, a read-only cache: the torch path still works
             logger.warning("CPU paged-decode kernel unavailable, decode attention uses the torch path: %s",

@@ -2,6 +2,7 @@
 torch's own OpenMP runtime."""
 
 import ast
+import os
 import shutil
 import subprocess
 import sys
@@ -109,3 +110,18 @@ def test_runs_on_torchs_openmp_runtime_only():
     runtimes = ast.literal_eval(result.stdout.strip().splitlines()[-1])
     torch_lib = Path(torch.__file__).parent / "lib"
     assert all(Path(path).parent == torch_lib for path in runtimes), runtimes
+
+
+def test_a_build_killed_midway_does_not_block_later_loads(tmp_path):
+    """torch's lock file, left by a build that was killed, would make every later load wait forever."""
+    from torch.utils import cpp_extension
+
+    name = cpu_paged_decode._build_name()
+    built = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()) / name
+    shutil.copytree(built, tmp_path / name)
+    (tmp_path / name / "lock").touch()  # what a killed build leaves
+    probe = "from nebula_engine.kernels import cpu_paged_decode\nassert cpu_paged_decode.load()\n"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    assert not (tmp_path / name / "lock").exists()
