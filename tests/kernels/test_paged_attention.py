@@ -130,3 +130,44 @@ def test_batch_of_only_decode_rows_is_one_call_that_reads_no_slot_outside_the_co
     for b in range(2):
         k, v = gather_kv(k_cache, v_cache, tables[b], meta.seq_lens[b])
         torch.testing.assert_close(out[b:b + 1], causal_attention(q[b:b + 1], k, v, scale=0.5), atol=1e-5, rtol=1e-5)
+
+
+def _attention_written_out(q, k, v, scale, positions):
+    """Softmax attention of query row i over keys 0..positions[i], one row at a time."""
+    group = q.shape[1] // k.shape[1]
+    k_all, v_all = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    rows = []
+    for row, position in enumerate(positions):
+        probs = (torch.einsum("hd,lhd->hl", q[row], k_all[: position + 1]) * scale).softmax(-1)
+        rows.append(torch.einsum("hl,lhd->hd", probs, v_all[: position + 1]))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("q_len,ctx_len", [(5, 40), (300, 301), (300, 700), (1, 9)])
+def test_queries_at_the_end_of_a_cached_context_split_without_a_mask(q_len, ctx_len):
+    """A prefill chunk after cached tokens: the keys before it unmasked, its own causally, merged exactly."""
+    generator = torch.Generator().manual_seed(q_len + ctx_len)
+    q = torch.randn(q_len, 8, 16, generator=generator)
+    k, v = torch.randn(ctx_len, 2, 16, generator=generator), torch.randn(ctx_len, 2, 16, generator=generator)
+    expected = _attention_written_out(q, k, v, 0.3, range(ctx_len - q_len, ctx_len))
+    torch.testing.assert_close(causal_attention(q, k, v, scale=0.3), expected, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["scattered", "first-rows", "one-block-same-start", "unsorted"])
+def test_scattered_query_rows_match_softmax_written_out(case):
+    """PIC's recomputed rows at arbitrary positions, more rows than one split block, rows that see no key of a
+    block's masked part (its first positions), and positions out of order (one masked call)."""
+    generator = torch.Generator().manual_seed(len(case))
+    ctx_len = 900
+    if case == "scattered":
+        positions = torch.randperm(ctx_len, generator=generator)[:300].sort().values
+    elif case == "first-rows":
+        positions = torch.cat([torch.arange(0, 140), torch.arange(500, 640)])
+    elif case == "one-block-same-start":
+        positions = torch.tensor([7, 7 + 1, 300, 301, 899])
+    else:
+        positions = torch.randperm(ctx_len, generator=generator)[:50]
+    q = torch.randn(len(positions), 6, 8, generator=generator)
+    k, v = torch.randn(ctx_len, 3, 8, generator=generator), torch.randn(ctx_len, 3, 8, generator=generator)
+    ours = causal_attention(q, k, v, scale=0.4, q_positions=positions)
+    torch.testing.assert_close(ours, _attention_written_out(q, k, v, 0.4, positions.tolist()), atol=2e-5, rtol=1e-4)
