@@ -260,6 +260,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     of PIC's partial recompute).
     """
     lq, lk = q.shape[0], k.shape[0]
+    if lq == 0:  # nothing to attend for (torch's CPU flash kernel divides by zero on an empty query)
+        return q.new_empty(0, q.shape[1], v.shape[-1])
     windowed = sliding_window is not None and lk > sliding_window
     # [1, H, L, D]: the 4-D layout takes SDPA's fused kernels; enable_gqa shares K/V across heads without copies
     qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))

@@ -171,3 +171,11 @@ def test_scattered_query_rows_match_softmax_written_out(case):
     k, v = torch.randn(ctx_len, 3, 8, generator=generator), torch.randn(ctx_len, 3, 8, generator=generator)
     ours = causal_attention(q, k, v, scale=0.4, q_positions=positions)
     torch.testing.assert_close(ours, _attention_written_out(q, k, v, 0.4, positions.tolist()), atol=2e-5, rtol=1e-4)
+
+
+def test_no_query_rows_is_an_empty_result_not_a_crash():
+    """torch's CPU flash kernel divides by zero on an empty query (SIGFPE kills the process)."""
+    k, v = torch.randn(10, 2, 8), torch.randn(10, 2, 6)
+    assert causal_attention(torch.randn(0, 4, 8), k, v, scale=0.5).shape == (0, 4, 6)
+    no_rows = torch.zeros(0, dtype=torch.long)
+    assert causal_attention(torch.randn(0, 4, 8), k, v, scale=0.5, q_positions=no_rows).shape == (0, 4, 6)
