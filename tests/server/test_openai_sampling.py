@@ -119,7 +119,10 @@ def test_chat_logprobs_equal_the_offline_logprobs_whole_and_streamed(client, ref
                                                  logprobs=True, top_logprobs=3, stream=True,
                                                  extra_body={"ignore_eos": True}))
     streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
-    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    # The second request finds the first one's prompt in the prefix cache, so its last prompt tokens attend over
+    # cached pages through another kernel split: tokens equal, logprobs equal to float precision (as offline).
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-4)
 
 
 def test_completion_logprobs_in_openais_legacy_shape(client, reference_llm):
