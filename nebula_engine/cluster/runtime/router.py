@@ -158,6 +158,10 @@ class RouterService:
         flight = self.in_flight.get(msg.request_id)
         if flight is not None and msg.task_id == flight.combine_task:
             del self.in_flight[msg.request_id]
+        for transfer in msg.transfers:  # what the spec's two fixed costs are measured from (README, #13)
+            logger.debug("transfer from %s: %d tokens, %s, pin to store %.4f s, predicted prefill %.4f s",
+                         transfer.peer, transfer.num_tokens, "scattered" if transfer.scattered else "cached",
+                         transfer.seconds, self.config.profile.prefill.compute_seconds(transfer.num_tokens, 0.0))
         if msg.transfers and self.observed is not None:
             self._observe(msg.transfers)
 

@@ -56,16 +56,18 @@ class ClusterSpec:
     policy: str = "nebula"
     etcd: str | None = None  # "host:port": etcd leases instead of the embedded Raft election
     # the planner's fixed cost of reading KV from another peer, paid once per source: a pin round trip and the
-    # insert, both under the peers' cache locks (served while a step computes). 51 ms is the median from pin sent
-    # to segment stored for segments already cached on the holder, measured on the default compare (bench-qwen3,
-    # 4 one-thread peers on 2 cores, three policies; README); it was 91 ms while pins waited for steps (32 ms with
-    # the nebula cluster alone on the machine)
-    remote_read_latency_s: float = 0.051
+    # insert, both under the peers' cache locks (served while a step computes). 17 ms is the median from pin sent
+    # to segment stored of the 71 segments already cached on their holder that two default compares read with every
+    # read and scatter planned (nebula, 4 one-thread bench-qwen3 peers on 2 cores; the routers' debug log "transfer
+    # from ...", README #13). It was 51 ms on stop 22's code and 91 ms while pins waited for steps
+    remote_read_latency_s: float = 0.017
     # the planner's fixed cost of scattering a cold segment to another peer, beyond its prefill and the read
-    # (ClusterProfile.dispatch_s): the holder finishes its step before it prefills, the reader's pin waits. 0.10 s
-    # is the median of (pin sent to segment stored) - (its predicted prefill) - remote_read_latency_s over the
-    # scattered segments of two default compares with every read planned (0.107 and 0.099 s; README)
-    scatter_dispatch_s: float = 0.10
+    # (ClusterProfile.dispatch_s): the helper finishes its step in progress before it prefills. 8 ms is the median
+    # of (pin sent to segment stored) - (its predicted prefill) - remote_read_latency_s over the 151 scattered
+    # segments of the same two compares (each run alone: 15 and -10 ms, as the predicted prefill rests on one timing
+    # at start-up). It was 0.10 s on stop 22's code, before combines queued at once and attention over cached KV
+    # lost its mask
+    scatter_dispatch_s: float = 0.008
     # peers on this one machine share its cores, and the planner bounds a plan by what they can do together
     # (TransferCosts.parallel_forwards); False plans as if each peer had processors of its own (Algorithm 1)
     shared_cores: bool = True
