@@ -30,5 +30,7 @@ def reference_plan(problem: PlanningProblem, costs: TransferCosts, rng: random.R
         candidates.append((current, home, tuple(assignment), tuple(sources)))
     best = min(c[0] for c in candidates)
     ties = [c for c in candidates if c[0] == best]
+    shortest = min(problem.outstanding[c[1]] for c in ties)  # ties: the least loaded homes, then the RNG
+    ties = [c for c in ties if problem.outstanding[c[1]] == shortest]
     chosen = ties[0] if len(ties) == 1 else rng.choice(ties)
     return GreedyPlan(chosen[1], chosen[2], chosen[3], chosen[0])

@@ -381,3 +381,15 @@ def test_a_home_whose_combine_waits_for_its_queue_is_not_free_when_it_scatters_e
     assert queued.home == 1 and queued.hit_sources == (0,)
     assert queued.estimate == pytest.approx(estimate(problem, 1, queued.cold_workers, queued.hit_sources,
                                                      TransferCosts(to, combine_queues=True)))
+
+
+@pytest.mark.parametrize("compiled", [None, False])
+def test_homes_tied_by_the_shared_cores_floor_go_to_the_least_loaded(compiled):
+    # two shared cores, one worker with 300 tokens queued: F = (300 + 1,000) / 2 = 650 exceeds every home's own
+    # term, so every home estimates 650. Before, the RNG could put the combine behind the 300 queued tokens.
+    costs = TransferCosts([[0.0 if w == c else 0.01 for w in range(3)] for c in range(3)], parallel_forwards=2,
+                          combine_queues=True)
+    problem = PlanningProblem((), (500, 500), (300.0, 0.0, 0.0), 0.0)
+    plans = [GreedyPlanner(costs, seed, compiled=compiled).plan(problem) for seed in range(40)]
+    assert {p.estimate for p in plans} == {650.0}
+    assert {p.home for p in plans} == {1, 2}  # both idle homes still drawn at random

@@ -169,6 +169,15 @@ def home_candidates(problem: PlanningProblem, homes: Sequence[int] | None) -> li
     return [w for w in up if w in set(homes)]
 
 
+def least_loaded(homes: Sequence[int], outstanding: Sequence[float]) -> list[int]:
+    """Of homes whose plans tie, those with the shortest queue, in the given order. With shared processors the
+    floor F often makes every home's estimate equal (a busy home's combine then looks as soon done as an idle
+    one's); the engine runs a home's work in arrival order, so the shorter queue starts the combine first.
+    Without a floor, ties come from equal loads and this keeps them all."""
+    shortest = min(outstanding[h] for h in homes)
+    return [h for h in homes if outstanding[h] == shortest]
+
+
 def worker_time(queue: float, computed: float, d: float, fixed: float) -> float:
     """One worker's term of the estimate; ``queue`` is Q_w only when it computes something."""
     return queue + computed + d * computed + fixed
@@ -284,7 +293,7 @@ def summarise_rows(by_tier: np.ndarray, costs: TransferCosts) -> tuple[np.ndarra
 
 
 class GreedyPlanner:
-    """Algorithm 1. Ties between equally good homes are broken uniformly by a seeded RNG.
+    """Algorithm 1. Ties between equally good homes go to the least loaded ones, then a seeded RNG.
 
     ``compiled`` selects the loop: None uses the numba kernel when it imports, False forces the
     pure-Python reference, True requires the kernel. Both give identical plans.
@@ -319,7 +328,7 @@ class GreedyPlanner:
                                                   cold[order], tokens, extra, self.costs.work_floor(problem),
                                                   self.costs.combine_queues)
         best = estimates.min()
-        ties = np.flatnonzero(estimates == best).tolist()  # ascending home, as the Python path sorts
+        ties = least_loaded(np.flatnonzero(estimates == best).tolist(), problem.outstanding)  # ascending home
         home = ties[0] if len(ties) == 1 else self.rng.choice(ties)
         cold_workers = np.empty_like(cold)
         cold_workers[order] = moved[home]
@@ -354,6 +363,8 @@ class GreedyPlanner:
             elif estimate == best:
                 best_homes.append((home, moves))
         best_homes.sort(key=lambda candidate: candidate[0])
+        lightest = set(least_loaded([h for h, _ in best_homes], queue))
+        best_homes = [candidate for candidate in best_homes if candidate[0] in lightest]
         home, moves = best_homes[0] if len(best_homes) == 1 else self.rng.choice(best_homes)
         cold_workers = [home] * len(lengths)
         for rank, worker in moves:

@@ -16,7 +16,7 @@ from dataclasses import replace
 from nebula_engine.cluster.control.config import ClusterConfig, ViewConfig
 from nebula_engine.cluster.control.messages import (Action, CacheKind, PrefillPlan, PrefixPlan, SegmentPlan,
                                             Tier)
-from nebula_engine.cluster.control.planner import NO_WORKER_UP, Hit, PlanningProblem, TransferCosts
+from nebula_engine.cluster.control.planner import NO_WORKER_UP, Hit, PlanningProblem, TransferCosts, least_loaded
 from nebula_engine.cluster.control.request_keys import RequestKeys
 from nebula_engine.cluster.control.schedulers import SCHEDULERS
 from nebula_engine.cluster.control.view import ClusterView
@@ -138,8 +138,8 @@ class NebulaPolicy(Policy):
                 for content, copies in holders.items()}
 
     def _best_home(self, keys, view, depth, prefix_holders, readable):
-        """Plan once per home with the hits that home would read, and keep the lowest estimate (ties: the seeded
-        RNG, as the planner breaks them). A copy's worth depends on the home, so one problem cannot hold it."""
+        """Plan once per home with the hits that home would read, and keep the lowest estimate (ties: the least
+        loaded homes, then the seeded RNG, as the planner breaks them). A copy's worth depends on the home, so one problem cannot hold it."""
         best, ties = math.inf, []
         for home in sorted(readable):
             problem, hit_index, cold_index = self._problem(keys, view, depth, prefix_holders, readable[home])
@@ -148,6 +148,8 @@ class NebulaPolicy(Policy):
                 best, ties = placed.estimate, [(problem, hit_index, cold_index, placed)]
             elif placed.estimate == best:
                 ties.append((problem, hit_index, cold_index, placed))
+        lightest = set(least_loaded([placed.home for *_, placed in ties], ties[0][0].outstanding))
+        ties = [tie for tie in ties if tie[3].home in lightest]
         return ties[0] if len(ties) == 1 else self.rng.choice(ties)
 
     @staticmethod
