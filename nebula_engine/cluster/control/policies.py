@@ -139,7 +139,8 @@ class NebulaPolicy(Policy):
 
     def _best_home(self, keys, view, depth, prefix_holders, readable):
         """Plan once per home with the hits that home would read, and keep the lowest estimate (ties: the least
-        loaded homes, then the seeded RNG, as the planner breaks them). A copy's worth depends on the home, so one problem cannot hold it."""
+        loaded homes, then the seeded RNG, as the planner breaks them). A copy's worth depends on the home, so one
+        problem cannot hold it."""
         best, ties = math.inf, []
         for home in sorted(readable):
             problem, hit_index, cold_index = self._problem(keys, view, depth, prefix_holders, readable[home])
