@@ -108,6 +108,14 @@ def test_segment_cached_on_one_peer_is_reused_on_another_via_nixl(cluster, model
     assert remote["choices"][0]["text"] == local.outputs[0].text
 
 
+def test_the_leader_times_its_prefill_again_once_every_peer_has_started_and_nothing_is_in_flight(cluster):
+    leader = cluster.state("decode-0")["leader"]
+    cluster.wait_until(lambda: cluster.state(leader)["router"]["idle_prefill_timings"] >= 2, 60,
+                       "two idle prefill timings on the leader")
+    assert cluster.state(leader)["router"]["prefill_ms_per_token"] > 0
+    assert all(cluster.state(name)["router"]["idle_prefill_timings"] == 0 for name in cluster.urls if name != leader)
+
+
 @pytest.mark.parametrize("prefill_peer", ["prefill-0", None], ids=["pinned", "routed"])
 def test_pic_off_request_after_a_pic_one_returns_plain_greedy_tokens(cluster, model_dir, prefill_peer):
     """Issue #12 point 4 across the cluster: the blended K/V a PIC request leaves in a peer's prefix cache never

@@ -3,6 +3,7 @@ router: homes report each read in their combine's TaskDone."""
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import replace
 
 import pytest
@@ -80,3 +81,16 @@ def test_slow_scatters_reported_by_homes_stop_the_router_scattering(observe):
     assert (scatters(sent) == 0) is observe
     if observe:
         assert service.observed.dispatch_s > 29.0 and service.control.costs.dispatch[0][1] > 0
+
+
+def test_a_faster_prefill_timing_reaches_the_observed_costs():
+    """An observing router converts the observed read latency with the new prefill speed too."""
+    service, _ = router(observe=True)
+    service.on_task_done(wire.TaskDone(sender="prefill-1", worker_index=1, task_id="t", seq=1, request_id="r",
+                                       transfers=[wire.TransferTime("prefill-0", 0.4, 100, scattered=False)]))
+    latency_tokens = service.control.costs.latency[1][0]
+    assert service.faster_prefill_timed(service.config.profile.prefill.per_token_s / 4)
+    assert service.observed.profile.prefill == service.config.profile.prefill
+    assert service.control.costs.latency[1][0] == pytest.approx(4 * latency_tokens)
+    configured = service.config.profile.intra_node.latency_s
+    assert service.observed.read_latency_s == pytest.approx(statistics.median([configured, 0.4]))  # still observed

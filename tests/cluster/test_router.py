@@ -207,3 +207,20 @@ def test_with_every_prefill_peer_dead_a_request_fails_at_once(router):
     [(frontend, failed)] = sent
     assert frontend == "decode-0" and isinstance(failed, wire.Failed) and "every prefill worker is down" in failed.message
     assert "r9" not in service.in_flight
+
+
+def test_a_faster_prefill_timing_converts_transfer_seconds_into_more_prefill_tokens_and_a_slower_one_is_ignored(router):
+    service, _, _ = router
+    per_token_s = service.config.profile.prefill.per_token_s
+    latency_tokens = service.control.costs.latency[0][1]
+    assert latency_tokens > 0
+    assert service.faster_prefill_timed(per_token_s / 2)
+    assert service.control.costs.latency[0][1] == pytest.approx(2 * latency_tokens)
+    assert service.control.costs.to[0][1] == pytest.approx(2 * ClusterConfig(num_prefill_workers=2)
+                                                           .profile.relative_transfer_cost(1, 0))
+    for slower in (per_token_s, per_token_s / 2, 0.0, -1.0):  # slower, equal, or no timing: shared cores at work
+        assert not service.faster_prefill_timed(slower)
+    assert service.config.profile.prefill.per_token_s == per_token_s / 2
+    service.deactivate()
+    service.activate()  # a router that leads again plans with the fastest timing it has seen
+    assert service.control.costs.latency[0][1] == pytest.approx(2 * latency_tokens)

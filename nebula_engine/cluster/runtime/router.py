@@ -12,14 +12,15 @@ A router that does not lead refuses submissions (``NotLeader``); one it cannot p
 starts with no requests in flight (front ends resubmit theirs) and rebuilds its view from every worker's
 snapshot. With ``observe_transfers`` (off by default), the fixed costs of reads and scatters the planner charges
 follow what the homes report each read took (``TaskDone.transfers``, ``ObservedTransferCosts``); a new leader
-starts again from the configured ones.
+starts again from the configured ones. The prefill speed that converts those seconds into prefill tokens is the
+fastest timing of the leader's engine (``faster_prefill_timed``: at start-up, then while the cluster is idle).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from nebula_engine.cluster.runtime import wire
@@ -86,6 +87,23 @@ class RouterService:
         self.control = None
         self.in_flight.clear()
 
+    def faster_prefill_timed(self, per_token_s: float) -> bool:
+        """A new timing of this engine's prefill, taken while the cluster was idle. The planner converts a
+        transfer's seconds into prefill tokens with the fastest timing seen: peers that share the cores only slow
+        a timing down, and they are modelled apart (``shared_compute``). True when it was faster and is used."""
+        prefill = self.config.profile.prefill
+        if not 0.0 < per_token_s < prefill.per_token_s:
+            return False
+        self.config = self.config.with_profile(prefill=replace(prefill, per_token_s=per_token_s))
+        logger.info("%s: planning with a prefill of %.4f ms a token (was %.4f)", self.name, per_token_s * 1e3,
+                    prefill.per_token_s * 1e3)
+        if self.observed is not None:
+            self.observed.profile = self.config.profile
+        if self.active:
+            profile = self.observed.current_profile() if self.observed is not None else self.config.profile
+            self.control.set_costs(TransferCosts.from_profile(profile, len(self.prefill_peers)))
+        return True
+
     def deliver(self, peer: str, message: wire.Msg) -> None:
         self.send(peer, message)
 
@@ -137,8 +155,11 @@ class RouterService:
         flight.tasks.update([plan.combine_task_id, *local_tasks])
         self.in_flight[msg.request_id] = flight
         self.num_planned += 1
-        logger.debug("planned %s attempt %d: combine on %s, %d scattered, %d read, decode on %s", msg.request_id,
-                     attempt, home_name, len(flight.tasks) - 1 - len(local_tasks), len(sources), decode or "-")
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("planned %s attempt %d: combine on %s, %d scattered, %d read, decode on %s; estimate %.0f "
+                         "prefill tokens, queues now %s", msg.request_id, attempt, home_name,
+                         len(flight.tasks) - 1 - len(local_tasks), len(sources), decode or "-", plan.estimate,
+                         " ".join(f"{queue:.0f}" for queue in self.control.view.outstanding()))
         self.deliver(home_name, wire.Combine(
             sender=self.name, task_id=plan.combine_task_id, request_id=msg.request_id, attempt=attempt,
             frontend=msg.sender, token_ids=msg.token_ids, segments=msg.segments, params=msg.params,

@@ -30,6 +30,8 @@ async def peer_state(peer: Peer) -> dict:
             "quorum": peer.election.has_quorum, "dropped_frames": peer.messenger.num_dropped,
             "engine": {"running": engine.num_running, "waiting": engine.num_waiting},
             "router": {"active": router.active, "in_flight": len(router.in_flight), "planned": router.num_planned,
-                       "lost": router.num_lost, "dead": sorted(router.dead)},
+                       "lost": router.num_lost, "dead": sorted(router.dead),
+                       "prefill_ms_per_token": router.config.profile.prefill.per_token_s * 1e3,
+                       "idle_prefill_timings": peer.idle_timings},
             "transfer_bytes": worker.transfer_bytes, "transfer_failures": worker.transfer_failures,
             "resubmitted": peer.frontend.num_resubmitted, "nixl_peers": sorted(peer.agent.peers), "pic": pic}
