@@ -66,7 +66,9 @@ class ClusterSpec:
     # of (pin sent to segment stored) - (its predicted prefill) - remote_read_latency_s over the 151 scattered
     # segments of the same two compares (each run alone: 15 and -10 ms, as the predicted prefill rests on one timing
     # at start-up). It was 0.10 s on stop 22's code, before combines queued at once and attention over cached KV
-    # lost its mask
+    # lost its mask. The same method on stop 31's code gives 23 ms, but its prediction now uses the idle prefill
+    # speed, so that residual also holds the helper's shared-core slowdown, which the planner charges as shared cores
+    # already; planned with 23 ms nebula was 0.94, 0.94 and 0.77x local-pic (README #13), so 8 ms stays
     scatter_dispatch_s: float = 0.008
     # peers on this one machine share its cores, and the planner bounds a plan by what they can do together
     # (TransferCosts.parallel_forwards); False plans as if each peer had processors of its own (Algorithm 1)
