@@ -44,7 +44,7 @@ import random
 from bisect import bisect_right
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Sequence
+from typing import Callable, Sequence, TypeVar
 
 import numpy as np
 
@@ -54,6 +54,7 @@ from nebula_engine.cluster.control.messages import Tier
 logger = logging.getLogger(__name__)
 
 NO_WORKER_UP = "every prefill worker is down: nothing can take the request"
+T = TypeVar("T")
 
 
 class TransferCosts:
@@ -169,13 +170,15 @@ def home_candidates(problem: PlanningProblem, homes: Sequence[int] | None) -> li
     return [w for w in up if w in set(homes)]
 
 
-def least_loaded(homes: Sequence[int], outstanding: Sequence[float]) -> list[int]:
-    """Of homes whose plans tie, those with the shortest queue, in the given order. With shared processors the
-    floor F often makes every home's estimate equal (a busy home's combine then looks as soon done as an idle
-    one's); the engine runs a home's work in arrival order, so the shorter queue starts the combine first.
-    Without a floor, ties come from equal loads and this keeps them all."""
-    shortest = min(outstanding[h] for h in homes)
-    return [h for h in homes if outstanding[h] == shortest]
+def break_tie(candidates: Sequence[T], home_of: Callable[[T], int], outstanding: Sequence[float],
+              rng: random.Random) -> T:
+    """One of ``candidates`` (plans, or homes, that tie): among those whose home has the shortest queue, the only
+    one, else one drawn by ``rng``. With shared processors the floor F often makes every home's estimate equal (a
+    busy home's combine then looks as soon done as an idle one's); the engine runs a home's work in arrival order,
+    so the shorter queue starts the combine first. Without a floor, ties come from equal loads and all stay."""
+    shortest = min(outstanding[home_of(c)] for c in candidates)
+    lightest = [c for c in candidates if outstanding[home_of(c)] == shortest]
+    return lightest[0] if len(lightest) == 1 else rng.choice(lightest)
 
 
 def worker_time(queue: float, computed: float, d: float, fixed: float) -> float:
@@ -328,8 +331,7 @@ class GreedyPlanner:
                                                   cold[order], tokens, extra, self.costs.work_floor(problem),
                                                   self.costs.combine_queues)
         best = estimates.min()
-        ties = least_loaded(np.flatnonzero(estimates == best).tolist(), problem.outstanding)  # ascending home
-        home = ties[0] if len(ties) == 1 else self.rng.choice(ties)
+        home = break_tie(np.flatnonzero(estimates == best).tolist(), int, problem.outstanding, self.rng)  # ascending
         cold_workers = np.empty_like(cold)
         cold_workers[order] = moved[home]
         return GreedyPlan(home, tuple(cold_workers.tolist()), self._hit_sources(problem.hits, home),
@@ -363,9 +365,7 @@ class GreedyPlanner:
             elif estimate == best:
                 best_homes.append((home, moves))
         best_homes.sort(key=lambda candidate: candidate[0])
-        lightest = set(least_loaded([h for h, _ in best_homes], queue))
-        best_homes = [candidate for candidate in best_homes if candidate[0] in lightest]
-        home, moves = best_homes[0] if len(best_homes) == 1 else self.rng.choice(best_homes)
+        home, moves = break_tie(best_homes, lambda candidate: candidate[0], queue, self.rng)
         cold_workers = [home] * len(lengths)
         for rank, worker in moves:
             cold_workers[order[rank]] = worker

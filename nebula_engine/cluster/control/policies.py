@@ -16,7 +16,7 @@ from dataclasses import replace
 from nebula_engine.cluster.control.config import ClusterConfig, ViewConfig
 from nebula_engine.cluster.control.messages import (Action, CacheKind, PrefillPlan, PrefixPlan, SegmentPlan,
                                             Tier)
-from nebula_engine.cluster.control.planner import NO_WORKER_UP, Hit, PlanningProblem, TransferCosts, least_loaded
+from nebula_engine.cluster.control.planner import NO_WORKER_UP, Hit, PlanningProblem, TransferCosts, break_tie
 from nebula_engine.cluster.control.request_keys import RequestKeys
 from nebula_engine.cluster.control.schedulers import SCHEDULERS
 from nebula_engine.cluster.control.view import ClusterView
@@ -149,9 +149,7 @@ class NebulaPolicy(Policy):
                 best, ties = placed.estimate, [(problem, hit_index, cold_index, placed)]
             elif placed.estimate == best:
                 ties.append((problem, hit_index, cold_index, placed))
-        lightest = set(least_loaded([placed.home for *_, placed in ties], ties[0][0].outstanding))
-        ties = [tie for tie in ties if tie[3].home in lightest]
-        return ties[0] if len(ties) == 1 else self.rng.choice(ties)
+        return break_tie(ties, lambda tie: tie[3].home, ties[0][0].outstanding, self.rng)
 
     @staticmethod
     def _holders(view: ClusterView, key: str, now: float) -> tuple[tuple[int, Tier], ...]:

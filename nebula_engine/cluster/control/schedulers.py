@@ -8,7 +8,7 @@ from abc import ABC, abstractmethod
 from typing import Sequence
 
 from nebula_engine.cluster.control.planner import (GreedyPlan, GreedyPlanner, PlanningProblem, TransferCosts,
-                                                  estimate, hit_source, home_candidates, workers_up)
+                                                  break_tie, estimate, hit_source, home_candidates, workers_up)
 
 
 class Scheduler(ABC):
@@ -56,9 +56,7 @@ class LocalityScheduler(Scheduler):
                     local[worker] += hit.num_tokens
         most = max(local.values())
         ties = [w for w, n in local.items() if n == most]
-        least_loaded = min(problem.outstanding[w] for w in ties)
-        ties = [w for w in ties if problem.outstanding[w] == least_loaded]
-        home = ties[0] if len(ties) == 1 else self.rng.choice(ties)
+        home = break_tie(ties, int, problem.outstanding, self.rng)
         return self._finish(problem, home, [home] * len(problem.cold))
 
 

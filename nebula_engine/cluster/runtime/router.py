@@ -100,9 +100,13 @@ class RouterService:
         if self.observed is not None:
             self.observed.profile = self.config.profile
         if self.active:
-            profile = self.observed.current_profile() if self.observed is not None else self.config.profile
-            self.control.set_costs(TransferCosts.from_profile(profile, len(self.prefill_peers)))
+            self._plan_with_current_costs()
         return True
+
+    def _plan_with_current_costs(self) -> None:
+        """The control plane plans from now on with the profile's costs, or the observed ones when observing."""
+        profile = self.observed.current_profile() if self.observed is not None else self.config.profile
+        self.control.set_costs(TransferCosts.from_profile(profile, len(self.prefill_peers)))
 
     def deliver(self, peer: str, message: wire.Msg) -> None:
         self.send(peer, message)
@@ -179,10 +183,11 @@ class RouterService:
         flight = self.in_flight.get(msg.request_id)
         if flight is not None and msg.task_id == flight.combine_task:
             del self.in_flight[msg.request_id]
-        for transfer in msg.transfers:  # what the spec's two fixed costs are measured from (README, #13)
-            logger.debug("transfer from %s: %d tokens, %s, pin to store %.4f s, predicted prefill %.4f s",
-                         transfer.peer, transfer.num_tokens, "scattered" if transfer.scattered else "cached",
-                         transfer.seconds, self.config.profile.prefill.compute_seconds(transfer.num_tokens, 0.0))
+        if logger.isEnabledFor(logging.DEBUG):
+            for transfer in msg.transfers:  # what the spec's two fixed costs are measured from (README, #13)
+                logger.debug("transfer from %s: %d tokens, %s, pin to store %.4f s, predicted prefill %.4f s",
+                             transfer.peer, transfer.num_tokens, "scattered" if transfer.scattered else "cached",
+                             transfer.seconds, self.config.profile.prefill.compute_seconds(transfer.num_tokens, 0.0))
         if msg.transfers and self.observed is not None:
             self._observe(msg.transfers)
 
@@ -192,7 +197,7 @@ class RouterService:
                 self.observed.observe_scatter(transfer.seconds, transfer.num_tokens)
             else:
                 self.observed.observe_read(transfer.seconds)
-        self.control.set_costs(TransferCosts.from_profile(self.observed.current_profile(), len(self.prefill_peers)))
+        self._plan_with_current_costs()
         logger.debug("transfer costs now: read latency %.3f s, scatter dispatch %.3f s",
                      self.observed.read_latency_s, self.observed.dispatch_s)
 
