@@ -82,6 +82,9 @@ class EngineClusterPort:
         self.kv_geometry = KVGeometry(storage.page_size, storage.num_pages, sum(
             t[0].numel() * t.element_size() for tensors in storage.layer_caches for t in tensors) // storage.page_size)
         self.caches_prefixes: bool = self._engine.scheduler.prefix_cache is not None
+        # a hybrid model's combine starts at position 0 (``Scheduler._match_prefix``): a cached lead does not help it
+        self.combines_start_after_prefix: bool = (self.caches_prefixes
+                                                  and self._engine.scheduler.kv_cache.state_slots is None)
 
     def transfer_tensors(self) -> list[torch.Tensor]:
         """Every attention layer's KV tensors (not the linear-attention state slots): what NIXL registers."""
@@ -214,6 +217,14 @@ class EngineClusterPort:
         return await self._call(prefill)
 
     # ---- cached prefixes ----
+    async def prefill_prefix(self, request_id: str, token_ids: list[int]) -> int:
+        """Prefill ``token_ids`` exactly (PIC off) so that their full pages enter the prefix cache; the tokens of
+        them the prefix cache held before (what a later request counts as hits)."""
+        last, params = None, SamplingParams(max_tokens=1, temperature=0.0)
+        async for last in self._async.generate(request_id, list(token_ids), params, None):
+            pass
+        return last.num_prefix_cached_tokens
+
     async def cached_prefix_pages(self, token_ids: list[int]) -> int:
         """How many leading pages of ``token_ids`` the prefix cache holds."""
         return await self._call_cache(lambda e: len(e.cache_store.radix.match_prefix(token_ids).pages))

@@ -90,12 +90,15 @@ def test_segment_cached_on_one_peer_is_reused_on_another_via_nixl(cluster, model
     assert status == 200, body
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # its segments were prefilled for it
     before = cluster.state("prefill-1")["transfer_bytes"]
+    leads_before = cluster.state("prefill-1")["lead_tokens_prefilled"]
     permuted = rag_segments(system_b, docs[::-1], question)
     status, remote = post(url, "/v1/completions", completion(model_dir, permuted, prefill_peer="prefill-1"))
     assert status == 200, remote
     assert cluster.state("prefill-1")["transfer_bytes"] > before  # the segments came from prefill-0
     assert remote["usage"]["nebula"]["pic_cached_tokens"] == 72
-    assert remote["usage"]["prompt_tokens_details"]["cached_tokens"] == 72  # read from KV that existed before
+    # read from KV that existed before; the new system prompt, prefilled while the reads ran, is no hit
+    assert remote["usage"]["prompt_tokens_details"]["cached_tokens"] == 72
+    assert cluster.state("prefill-1")["lead_tokens_prefilled"] - leads_before == len(system_b)
     assert cluster.state("prefill-1")["pic"]["segment_misses"] == 0
 
     # the same two requests on one engine: local reuse gives the same tokens
@@ -141,6 +144,7 @@ def test_pic_off_request_after_a_pic_one_returns_plain_greedy_tokens(cluster, mo
 
 def test_cold_segments_of_one_request_are_prefilled_on_several_peers(cluster, model_dir):
     misses = {name: cluster.state(name)["pic"]["segment_misses"] for name in ("prefill-0", "prefill-1")}
+    leads = {name: cluster.state(name)["lead_tokens_prefilled"] for name in misses}
     docs = documents(seed=2, count=6, length=40)
     status, body = post(cluster.urls["prefill-1"], "/v1/completions",
                         completion(model_dir, rag_segments([21] * 8, docs, [22, 23, 24])))
@@ -148,8 +152,10 @@ def test_cold_segments_of_one_request_are_prefilled_on_several_peers(cluster, mo
     grown = {name: cluster.state(name)["pic"]["segment_misses"] - misses[name] for name in misses}
     assert sum(grown.values()) == 6 and all(count > 0 for count in grown.values()), grown
     assert body["usage"]["nebula"]["pic_cached_tokens"] == 240
-    # the combine reused the scattered segments, but they were prefilled for this request: no cache hit
+    # the combine reused the scattered segments and the system prompt its home prefilled while it waited, but they
+    # were prefilled for this request: no cache hit
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert sum(cluster.state(name)["lead_tokens_prefilled"] - leads[name] for name in misses) == 8
 
 
 def test_a_prefix_cached_on_one_peer_is_read_over_nixl_by_a_combine_on_another(cluster, model_dir):

@@ -236,6 +236,17 @@ def test_a_pinned_prefix_copied_into_fresh_pages_is_a_prefix_hit_on_the_reader(p
     assert run(port.pin_prefix(segment(900))) is None
 
 
+def test_a_prefilled_lead_enters_the_prefix_cache_and_reports_what_it_held_before(port):
+    """A home prefills a waiting combine's lead exactly; the combine then finds it as a prefix hit, and counts as
+    hits only the pages that were cached before."""
+    lead = segment(1100, 5 * PAGE)
+    assert run(port.prefill_prefix("lead-1", lead)) == 0
+    assert run(port.cached_prefix_pages(lead)) == 5
+    longer = lead + segment(1200, 3 * PAGE)
+    assert run(port.prefill_prefix("lead-2", longer)) == 5 * PAGE
+    assert run(port.cached_prefix_pages(longer)) == 8
+
+
 def test_a_snapshot_lists_every_pic_entry_on_the_device(port):
     ids = segment(1000)
     run(port.prefill_segment("epic", ids))

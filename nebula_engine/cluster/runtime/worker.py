@@ -25,7 +25,7 @@ import io
 import itertools
 import logging
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import msgspec
@@ -76,16 +76,18 @@ def engine_request_id(request_id: str, attempt: int) -> str:
 
 
 def output_to_wire(sender: str, request_id: str, output: RequestOutput, attempt: int,
-                   handoff_to: str = "", fresh_tokens: int = 0) -> wire.Output:
-    """``fresh_tokens``: PIC tokens the engine found in its store only because this request had them prefilled on
-    another peer and read them here; they are no cache hits."""
+                   handoff_to: str = "", fresh: tuple[int, int] = (0, 0)) -> wire.Output:
+    """``fresh``: the prompt tokens the engine found cached only because they were prefilled for this request (PIC
+    segments here or on another peer, the lead into the prefix cache), and how many of them the prefix cache held
+    (``MadeForRequest.tokens``); they are no cache hits."""
     completion = output.outputs[0]
-    hits = max(output.num_prefix_cached_tokens, output.num_cached_tokens - fresh_tokens)
+    prefix_hits = output.num_prefix_cached_tokens - fresh[1]
+    hits = max(prefix_hits, output.num_cached_tokens - fresh[0])
     return wire.Output(sender=sender, request_id=request_id, attempt=attempt, text=completion.text,
                        token_ids=list(completion.token_ids), logprobs=list(completion.token_logprobs),
                        finished=output.finished, finish_reason=completion.finish_reason,
                        stop_reason=completion.stop_reason,
-                       cached=[output.num_prefix_cached_tokens, output.num_pic_cached_tokens,
+                       cached=[prefix_hits, output.num_pic_cached_tokens,
                                output.num_recomputed_tokens, hits], handoff_to=handoff_to)
 
 
@@ -96,6 +98,20 @@ async def _opening(awaitable, gate: KVGate | None, part: str):
     finally:
         if gate is not None:
             gate.open(part)
+
+
+@dataclass(frozen=True)
+class MadeForRequest:
+    """What a combine's home computed for the request itself before the combine ran: no cache hits."""
+
+    segments: frozenset[int] = frozenset()  # PIC indices of segments prefilled for it (here or scattered)
+    lead_cached_before: int | None = None  # tokens of the lead the prefix cache held before the home prefilled it
+
+    def tokens(self, segmented: SegmentedPrompt, prefix_len: int) -> tuple[int, int]:
+        """Of the prompt's tokens a combine after a ``prefix_len`` prefix found cached, those made for it, and how
+        many of them came from the prefix cache."""
+        lead = 0 if self.lead_cached_before is None else max(0, prefix_len - self.lead_cached_before)
+        return lead + reused_tokens(segmented, prefix_len, self.segments), lead
 
 
 def reused_tokens(segmented: SegmentedPrompt, prefix_len: int, indices: set[int]) -> int:
@@ -166,6 +182,7 @@ class WorkerService:
         self._next_seq = 1  # sequence number of the next event reported to the router (cache events and task done)
         self.transfer_bytes = 0
         self.transfer_failures = 0
+        self.lead_tokens_prefilled = 0  # prompt leads prefilled into the prefix cache while combines waited
         self.evictions = {"pc": 0, "pic": 0}  # entries that left the device (dropped or demoted), from the events
 
     # ---- router commands ----
@@ -220,31 +237,39 @@ class WorkerService:
             params = params_from_wire(msg.params)
             backend = msg.pic_backend
             remote = [s for s in msg.sources if s.peer and s.peer != self.name]
-            prefix_read = self._fetch_prefix(msg) if msg.prefix_peer and msg.prefix_peer != self.name else None
+            prefix_read = asyncio.ensure_future(self._fetch_prefix(msg)) \
+                if msg.prefix_peer and msg.prefix_peer != self.name else None
             # the combine waits in the engine's queue behind a KV gate that opens when its remote KV is here (else
             # it would queue only then). While a scattered segment is prefilled elsewhere, the cold segments planned
             # here are prefilled meanwhile; a read of cached KV is too short to overlap a forward with, and that
             # prefill would be a forward of its own: then the combine computes them in its step
             waits = bool(remote) or prefix_read is not None
             local_prefill = any(s.fresh for s in remote) and bool(msg.compute_here)
-            gate = KVGate(["reads"] + ["prefill"] * local_prefill) if waits else None
+            # the regular tokens before the first PIC segment (a system prompt) do not depend on the segments awaited:
+            # prefilled exactly meanwhile (after the prefix, when it is read), they reach the combine as a prefix hit.
+            # Unlike a cold segment, the combine would compute them in full: a forward of their own costs little more
+            lead = self._lead(segmented) if waits else None
+            gate = KVGate(["reads"] + ["prefill"] * local_prefill + ["lead"] * bool(lead)) if waits else None
             reads = asyncio.gather(asyncio.gather(*(self._fetch(s, segmented, msg.pic_backend, transfers)
                                                     for s in remote)), prefix_read or asyncio.sleep(0))
             kv = asyncio.ensure_future(asyncio.gather(
                 _opening(reads, gate, "reads"),
-                self._prefill_here(msg, segmented, gate) if local_prefill else asyncio.sleep(0, result=[])))
+                self._prefill_here(msg, segmented, gate) if local_prefill else asyncio.sleep(0, result=[]),
+                self._prefill_lead(msg, lead, gate, prefix_read) if lead else asyncio.sleep(0)))
 
-            async def fresh_indices() -> set[int]:
-                """PIC indices of the segments prefilled for this request (read from a scatter or made here)."""
-                (copied, _), computed_here = await kv
+            async def made_for_request() -> MadeForRequest:
+                (copied, _), computed_here, lead_cached_before = await kv
                 copied_keys = {s.key for s, ok in zip(remote, copied) if ok}
                 if waits:
-                    logger.debug("combine %s: read %d/%d remote segments, prefilled %d here; KV ready after %.3f s",
+                    logger.debug("combine %s: read %d/%d remote segments, prefilled %d here%s; KV ready after %.3f s",
                                  msg.request_id, len(copied_keys), len(remote), len(computed_here),
+                                 f" and a {len(lead)}-token lead" if lead_cached_before is not None else "",
                                  time.monotonic() - start)
-                return {s.segment_index for s in remote if s.fresh and s.key in copied_keys} | set(computed_here)
+                return MadeForRequest(frozenset(
+                    {s.segment_index for s in remote if s.fresh and s.key in copied_keys} | set(computed_here)),
+                    lead_cached_before)
 
-            fresh = asyncio.ensure_future(fresh_indices())
+            fresh = asyncio.ensure_future(made_for_request())
             if msg.decode_peer and msg.decode_peer != self.name and self.liveness.alive(msg.decode_peer):
                 await self._prefill_and_hand_off(msg, segmented, params, backend, fresh, gate)
             else:
@@ -285,6 +310,37 @@ class WorkerService:
             gate.open("prefill")  # (already open unless the call never ran)
         return [index for index, made_here in zip(msg.compute_here, made) if made_here]
 
+    def _lead(self, segmented: SegmentedPrompt) -> list[int]:
+        """The full pages of the prompt's tokens before its first PIC segment (none when the combine would not
+        start after a cached prefix)."""
+        pic = segmented.pic_segments
+        if not pic or not self.engine.combines_start_after_prefix:
+            return []
+        return list(segmented.token_ids[:pic[0].start // self.engine.page_size * self.engine.page_size])
+
+    async def _prefill_lead(self, msg: wire.Combine, lead: list[int], gate: KVGate,
+                            prefix_read: asyncio.Future | None) -> int | None:
+        """Once the prefix read (if any) has ended, prefill what the prefix cache lacks of ``lead`` into it, then
+        open ``gate``'s "lead" part. Returns the lead's tokens the prefix cache held before; None when it held them
+        all. On failure the combine computes the lead itself."""
+        cached = None
+        try:
+            if prefix_read is not None:
+                await asyncio.wait([prefix_read])  # (its failure is the combine's reads' to report)
+            cached = await self.engine.cached_prefix_pages(lead) * self.engine.page_size
+            if cached >= len(lead):
+                return None
+            cached = await self.engine.prefill_prefix(f"{engine_request_id(msg.request_id, msg.attempt)}/lead", lead)
+            self.lead_tokens_prefilled += len(lead) - cached
+            return cached
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("prefilling the lead of %s failed; the combine computes it", msg.request_id)
+            return cached
+        finally:
+            gate.open("lead")
+
     def _fail(self, msg: wire.Combine | wire.Handoff, message: str, client_error: bool,
               resumable: bool = False) -> None:
         self.send(msg.frontend, wire.Failed(sender=self.name, request_id=msg.request_id, attempt=msg.attempt,
@@ -293,28 +349,35 @@ class WorkerService:
     async def _serve_locally(self, msg: wire.Combine, segmented, params, backend, fresh: asyncio.Future,
                              gate: KVGate | None) -> None:
         engine_id = engine_request_id(msg.request_id, msg.attempt)
+        first = True
         async for output in self.engine.generate(engine_id, segmented, params, backend, kv_gate=gate):
-            fresh_tokens = reused_tokens(segmented, output.num_prefix_cached_tokens, await fresh)
+            made = (await fresh).tokens(segmented, output.num_prefix_cached_tokens)
+            if first and logger.isEnabledFor(logging.DEBUG):
+                first = False
+                logger.debug("combine %s: first token; %d prompt tokens, %d from the prefix cache, %d PIC reused, "
+                             "%d of them recomputed", msg.request_id, len(output.prompt_token_ids),
+                             output.num_prefix_cached_tokens, output.num_pic_cached_tokens,
+                             output.num_recomputed_tokens)
             self.send(msg.frontend, output_to_wire(self.name, msg.request_id, output, msg.attempt,
-                                                   fresh_tokens=fresh_tokens))
+                                                   fresh=made))
 
     async def _prefill_and_hand_off(self, msg: wire.Combine, segmented, params, backend, fresh: asyncio.Future,
                                     gate: KVGate | None) -> None:
         engine_id = engine_request_id(msg.request_id, msg.attempt)
         first = await self.engine.generate_held(engine_id, segmented, replace(params, max_tokens=1), backend,
                                                 kv_gate=gate)
-        fresh_tokens = reused_tokens(segmented, first.num_prefix_cached_tokens, await fresh)
+        made = (await fresh).tokens(segmented, first.num_prefix_cached_tokens)
         completion = first.outputs[0]
         done_here = completion.finish_reason == "stop" or params.max_tokens == 1
         if done_here:  # finished on its first token: nothing to hand off
             await self.engine.release_held(engine_id)
             self.send(msg.frontend, output_to_wire(self.name, msg.request_id, first, msg.attempt,
-                                                   fresh_tokens=fresh_tokens))
+                                                   fresh=made))
             return
         first.finished = False
         first.outputs[0].finish_reason = None
         first_wire = output_to_wire(self.name, msg.request_id, first, msg.attempt, handoff_to=msg.decode_peer,
-                                    fresh_tokens=fresh_tokens)
+                                    fresh=made)
         self.send(msg.frontend, first_wire)  # TTFT
         pages = await self.engine.held_pages(engine_id)
         state = await self.engine.held_state(engine_id)
