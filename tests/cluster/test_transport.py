@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import pickle
+import socket
 
 import pytest
 import zmq
@@ -12,7 +13,6 @@ import zmq
 from nebula_engine.cluster.runtime import wire
 from nebula_engine.cluster.runtime.auth import (FrameRejected, FrameSealer, RateLimitedLog, SecretError, cluster_secret,
                                         new_secret, read_secret_file)
-from nebula_engine.cluster.runtime.launcher import free_ports
 from nebula_engine.cluster.runtime.transport import Messenger
 
 SECRET = new_secret()
@@ -22,11 +22,24 @@ def hello(sender: str) -> wire.Hello:
     return wire.Hello(sender=sender, role="prefill", worker_index=1, nixl_metadata=b"meta")
 
 
+def ephemeral_ports(count: int) -> list[int]:
+    """Ports the kernel hands out now, from its ephemeral range: ``launcher.free_ports`` draws cluster peers' ports
+    below that range, so the clusters that other test workers start meanwhile cannot be given these."""
+    probes = [socket.socket() for _ in range(count)]
+    try:
+        for probe in probes:
+            probe.bind(("127.0.0.1", 0))
+        return [probe.getsockname()[1] for probe in probes]
+    finally:
+        for probe in probes:
+            probe.close()
+
+
 class Pair:
     """Two messengers, ``a`` and ``b``, on loopback ports."""
 
     def __init__(self, secret_a: str | None = SECRET, secret_b: str | None = SECRET):
-        port_a, port_b = free_ports(2)
+        port_a, port_b = ephemeral_ports(2)
         self.address_b = f"tcp://127.0.0.1:{port_b}"
         self.a = Messenger("a", f"tcp://127.0.0.1:{port_a}", {"b": self.address_b}, secret_a)
         self.b = Messenger("b", self.address_b, {"a": f"tcp://127.0.0.1:{port_a}"}, secret_b)
