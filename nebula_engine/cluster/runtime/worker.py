@@ -349,11 +349,10 @@ class WorkerService:
     async def _serve_locally(self, msg: wire.Combine, segmented, params, backend, fresh: asyncio.Future,
                              gate: KVGate | None) -> None:
         engine_id = engine_request_id(msg.request_id, msg.attempt)
-        first = True
+        made = None  # the prompt's counts are those of the first output: worked out once, not per token
         async for output in self.engine.generate(engine_id, segmented, params, backend, kv_gate=gate):
-            made = (await fresh).tokens(segmented, output.num_prefix_cached_tokens)
-            if first and logger.isEnabledFor(logging.DEBUG):
-                first = False
+            if made is None:
+                made = (await fresh).tokens(segmented, output.num_prefix_cached_tokens)
                 logger.debug("combine %s: first token; %d prompt tokens, %d from the prefix cache, %d PIC reused, "
                              "%d of them recomputed", msg.request_id, len(output.prompt_token_ids),
                              output.num_prefix_cached_tokens, output.num_pic_cached_tokens,
