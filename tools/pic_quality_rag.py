@@ -110,32 +110,40 @@ def measure(harness: PICHarness, spec: str, prompt: ChatPrompt, reference, prefi
         harness.release(table)
 
 
-def evaluate(harness: PICHarness, specs: list[str], num_prompts: int, seed: int,
-             progress_path: str | None = None, detail_sentences: int = 0) -> dict:
-    """Per prompt (seeds ``seed`` .. ``seed + num_prompts - 1``) and spec, the rows of ``measure``; after each
-    prompt the rows so far go to ``progress_path`` (JSON) when given, so a cut run still has them."""
-    per_spec: dict[str, list[dict]] = {spec: [] for spec in specs}
-    off = []
+def reference_prompts(harness: PICHarness, num_prompts: int, seed: int, detail_sentences: int = 0):
+    """Per seed ``seed`` .. ``seed + num_prompts - 1``: (prompt, its PIC-off ``Reference``, the PIC-off row:
+    correct, reply, answer, num_tokens). The reference's pages are released when the caller asks for the next."""
     for index in range(num_prompts):
         prompt = ChatPrompt.build(harness, FactPrompt.random(seed + index, detail_sentences=detail_sentences))
         ids = list(prompt.segmented.token_ids)
         reference = full_reference(harness, ids, REPLY_TOKENS)
         try:
             text = harness.engine.tokenizer.decode(reference.continuation)
-            off.append({"correct": float(prompt.facts.is_correct(text)), "reply": text, "answer": prompt.facts.answer,
-                        "num_tokens": len(ids)})
-            for spec in specs:
-                per_spec[spec].append(measure(harness, spec, prompt, reference, reference.prefill_seconds))
-            print(f"prompt {index + 1}/{num_prompts}: PIC off {'right' if off[-1]['correct'] else 'wrong'} "
-                  f"({off[-1]['reply']!r}, answer {off[-1]['answer']!r}), "
-                  + ", ".join(f"{spec} KL {per_spec[spec][-1]['kl_next']:.3f}" for spec in specs),
-                  file=sys.stderr, flush=True)
-            if progress_path:
-                Path(progress_path).write_text(json.dumps({"model": harness.engine.config.model, "pic_off": off,
-                                                           "segment_sink": harness.executor.bos_token_id,
-                                                           "rows": per_spec}))
+            yield prompt, reference, {"correct": float(prompt.facts.is_correct(text)), "reply": text,
+                                      "answer": prompt.facts.answer, "num_tokens": len(ids)}
         finally:
             harness.release(reference.block_table)
+
+
+def evaluate(harness: PICHarness, specs: list[str], num_prompts: int, seed: int,
+             progress_path: str | None = None, detail_sentences: int = 0) -> dict:
+    """Per prompt (``reference_prompts``) and spec, the rows of ``measure``; after each prompt the rows so far go to
+    ``progress_path`` (JSON) when given, so a cut run still has them."""
+    per_spec: dict[str, list[dict]] = {spec: [] for spec in specs}
+    off = []
+    for index, (prompt, reference, pic_off) in enumerate(reference_prompts(harness, num_prompts, seed,
+                                                                             detail_sentences)):
+        off.append(pic_off)
+        for spec in specs:
+            per_spec[spec].append(measure(harness, spec, prompt, reference, reference.prefill_seconds))
+        print(f"prompt {index + 1}/{num_prompts}: PIC off {'right' if pic_off['correct'] else 'wrong'} "
+              f"({pic_off['reply']!r}, answer {pic_off['answer']!r}), "
+              + ", ".join(f"{spec} KL {per_spec[spec][-1]['kl_next']:.3f}" for spec in specs),
+              file=sys.stderr, flush=True)
+        if progress_path:
+            Path(progress_path).write_text(json.dumps({"model": harness.engine.config.model, "pic_off": off,
+                                                       "segment_sink": harness.executor.bos_token_id,
+                                                       "rows": per_spec}))
     return {"pic_off": off, "rows": per_spec,
             "results": [aggregate(spec, rows) for spec, rows in per_spec.items()]}
 

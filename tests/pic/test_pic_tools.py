@@ -176,3 +176,60 @@ def test_merge_pools_the_rows_of_runs_over_disjoint_prompts(tmp_path, capsys):
         bad = tmp_path / "c.json"
         bad.write_text(json.dumps({"rows": {"epic": []}, "pic_off": []}))
         rag.merge([str(tmp_path / "a.json"), str(bad)], None, None)
+
+
+def test_oracle_scores_are_errors_relative_to_the_full_prefill_and_follow_the_question_attention():
+    oracle = import_tool("pic_oracle")
+    ref = [torch.ones(3, 1, 2), torch.ones(3, 1, 2)]  # squared norm 2 per token
+    shift = torch.tensor([0.0, 3.0, 1.0])[:, None, None] * torch.tensor([1.0, 0.0])
+    placed = [ref[0].clone(), ref[1] + shift]  # layer 0 exact (as after re-rotation), layer 1 off by 0, 3, 1
+    reused = torch.tensor([True, True, True])
+    deviation = oracle.deviation_scores(placed, placed, ref, ref, reused)
+    assert deviation.tolist() == pytest.approx([0.0, 9.0, 1.0])  # (9 and 1) / 2, for K and for V; layer 0 adds 0
+    # a row the combine computes anyway holds stale K/V: it neither scores nor changes the reused rows' scale
+    stale = [torch.cat([p, torch.full((1, 1, 2), 1e6)]) for p in placed]
+    padded = [torch.cat([r, torch.full((1, 1, 2), 1e3)]) for r in ref]
+    with_stale = oracle.deviation_scores(stale, stale, padded, padded, torch.tensor([True, True, True, False]))
+    assert with_stale.tolist() == pytest.approx([0.0, 9.0, 1.0, 0.0])
+    # one head, one question row: tokens 1 and 2 have the same V error, only token 1 draws attention
+    attention = [torch.tensor([[[0.0, 1.0, 0.0]]])] * 2
+    values = [torch.tensor([[[1.0]], [[2.0]], [[2.0]]])] * 2
+    impact = oracle.impact_scores(values, [torch.ones(3, 1, 1)] * 2, attention, reused)
+    assert impact.tolist() == pytest.approx([0.0, 2.0, 0.0])  # error 1 over V norm 1, in each of two layers
+
+
+def test_ranked_blend_recomputes_the_top_scored_tokens_and_each_documents_sink():
+    from types import SimpleNamespace
+
+    from nebula_engine.pic.layout import CombineLayout
+
+    oracle = import_tool("pic_oracle")
+    layout = CombineLayout.plan(40, 0, [(4, 10), (14, 10), (24, 10)], [True, True, True])
+    scores = torch.zeros(40)
+    scores[[30, 31, 9]] = torch.tensor([3.0, 2.0, 1.0])
+    backend = oracle.RankedBlend(ratio=0.3, sink=2, scores=scores)  # 9 of 30: 6 sink heads + the top 3
+    rows = torch.arange(40)
+    kept = rows[backend.select(1, SimpleNamespace(layout=layout), rows, None, {})].tolist()
+    assert [p for p in kept if p in layout.reused_position_set] == [4, 5, 9, 14, 15, 24, 25, 30, 31]
+    assert [p for p in kept if p not in layout.reused_position_set] == [0, 1, 2, 3, 34, 35, 36, 37, 38, 39]
+
+
+def test_oracle_on_smollm2_is_exact_at_full_recompute_and_keeps_cacheblends_budget(smollm2_path, tmp_path):
+    pytest.importorskip("gguf", reason="SmolLM2 is a GGUF file: pip install 'nebula-engine[gguf]'")
+    oracle = import_tool("pic_oracle")
+    report = oracle.main(["--model", str(smollm2_path), "--num-prompts", "1", "--ratio", "0.2", "--ratio", "1.0",
+                          "--through-layer", "1", "--through-layer", "29", "--threads", "1",
+                          "--out", str(tmp_path / "o.json")])
+    rows = {r["backend"]: r for r in report["results"]}
+    oracles = [f"{name}:ratio={{}},layers=0-{c}" for name in oracle.ORACLES for c in (1, 29)]
+    assert list(rows) == [spec.format(ratio) for ratio in (0.2, 1.0) for spec in ["cacheblend:ratio={}", *oracles]]
+    for spec in ["cacheblend:ratio={}", *oracles]:
+        exact = rows[spec.format(1.0)]
+        assert exact["recomputed"] == 1.0 and exact["kl_next"] < 1e-9 and exact["top1_tf"] == 1.0
+        assert rows[spec.format(0.2)]["recomputed"] == rows["cacheblend:ratio=0.2"]["recomputed"]
+    assert 0.15 < rows["cacheblend:ratio=0.2"]["recomputed"] <= 0.2
+    assert json.loads((tmp_path / "o.json").read_text())["num_prompts"] == 1
+    with pytest.raises(SystemExit, match="30 attention layers"):
+        oracle.main(["--model", str(smollm2_path), "--through-layer", "30"])
+    with pytest.raises(SystemExit):
+        oracle.main(["--ratio", "0"])
