@@ -218,10 +218,10 @@ def test_oracle_on_smollm2_is_exact_at_full_recompute_and_keeps_cacheblends_budg
     pytest.importorskip("gguf", reason="SmolLM2 is a GGUF file: pip install 'nebula-engine[gguf]'")
     oracle = import_tool("pic_oracle")
     report = oracle.main(["--model", str(smollm2_path), "--num-prompts", "1", "--ratio", "0.2", "--ratio", "1.0",
-                          "--through-layer", "1", "--through-layer", "29", "--threads", "1",
+                          "--through-layer", "1", "--threads", "1",
                           "--out", str(tmp_path / "o.json")])
     rows = {r["backend"]: r for r in report["results"]}
-    oracles = [f"{name}:ratio={{}},layers=0-{c}" for name in oracle.ORACLES for c in (1, 29)]
+    oracles = [f"{name}:ratio={{}},layers=0-1" for name in oracle.ORACLES]
     assert list(rows) == [spec.format(ratio) for ratio in (0.2, 1.0) for spec in ["cacheblend:ratio={}", *oracles]]
     for spec in ["cacheblend:ratio={}", *oracles]:
         exact = rows[spec.format(1.0)]
