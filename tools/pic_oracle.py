@@ -33,7 +33,7 @@ import torch
 
 from pic_quality import PICHarness
 from pic_quality_rag import ChatPrompt, finish, measure, reference_prompts
-from nebula_engine.kernels.attention import AttentionContext, AttentionMetadata
+from nebula_engine.kernels.attention import AttentionContext
 from nebula_engine.pic.backends.selective import CacheBlend
 
 ORACLES = ("oracle-deviation", "oracle-impact")
@@ -70,21 +70,21 @@ class _QueryRecorder(AttentionContext):
 def question_attention(harness: PICHarness, token_ids: list[int], num_question: int) -> list[torch.Tensor]:
     """Per attention layer, [H, M, N]: the full prefill's attention probabilities of the prompt's last
     ``num_question`` rows over all N positions (causal)."""
-    table = harness.allocate(len(token_ids))
+    n = len(token_ids)
+    table = harness.allocate(n)
     try:
-        n = len(token_ids)
-        positions = torch.arange(n, device=harness.device)
-        meta = AttentionMetadata(query_start_loc=[0, n], seq_lens=[n], block_tables=table[None],
-                                 slot_mapping=harness.slots(table, positions), page_size=harness.page_size)
-        runner = harness.engine.model_runner
-        ctx = _QueryRecorder(runner.attention_backend, meta, harness.storage.layer_caches, runner.mla_backend,
-                             last=num_question)
-        harness.model.forward(torch.tensor(token_ids, device=harness.device), positions, ctx)
+        made: list[_QueryRecorder] = []
+
+        def recording(*parts) -> _QueryRecorder:
+            made.append(_QueryRecorder(*parts, last=num_question))
+            return made[-1]
+
+        harness.forward(token_ids, table, 0, context_type=recording)
         rows = torch.arange(n - num_question, n)
         future = torch.arange(n)[None, :] > rows[:, None]  # [M, N]
         probabilities = []
         for attn_idx in range(len(harness.attention_layer_indices())):
-            queries, scale = ctx.queries[attn_idx]
+            queries, scale = made[0].queries[attn_idx]
             keys, _ = harness.read_kv(attn_idx, table, n)
             keys = keys.repeat_interleave(queries.shape[1] // keys.shape[1], dim=1)
             logits = torch.einsum("mhd,nhd->hmn", queries, keys.to(queries.device)) * scale
@@ -130,28 +130,31 @@ def impact_scores(values: list[torch.Tensor], ref_values: list[torch.Tensor], at
 
 
 @torch.inference_mode()
-def oracle_rankings(harness: PICHarness, prompt: ChatPrompt, reference_table: torch.Tensor, base: CacheBlend,
-                    through: int | None = None) -> dict[str, torch.Tensor]:
-    """Each oracle's [N] scores for ``prompt``: the documents placed as the combine places them, against the full
-    prefill's K/V in ``reference_table``; from attention layers 0..``through`` only when given."""
+def oracle_rankings(harness: PICHarness, prompt: ChatPrompt, reference_table: torch.Tensor,
+                    throughs: list[int | None]) -> dict[int | None, dict[str, torch.Tensor]]:
+    """Per entry of ``throughs`` (None: every layer), each oracle's [N] scores for ``prompt`` from attention layers
+    0..through: the documents placed as the combine places them, against the full prefill's K/V in
+    ``reference_table``. The forward, the placement and the K/V reads run once for all of them."""
     segmented = prompt.segmented
     ids, n = list(segmented.token_ids), len(segmented.token_ids)
     attention = question_attention(harness, ids, n - segmented.pic_segments[-1].end)
     table = harness.allocate(n)
-    try:
-        run = harness.combine_run(base, segmented, table)  # documents placed (prefilled alone on a miss)
+    try:  # every CacheBlend ratio shares one cache format: the placed K/V does not depend on it
+        run = harness.combine_run(CacheBlend(), segmented, table)  # documents placed (prefilled alone on a miss)
         placed = [harness.read_kv(i, table, n) for i in range(len(harness.attention_layer_indices()))]
         full = [harness.read_kv(i, reference_table, n) for i in range(len(placed))]
     finally:
         harness.release(table)
     reused = torch.zeros(n, dtype=torch.bool)
     reused[sorted(run.layout.reused_position_set)] = True
-    layers = slice(0, None if through is None else through + 1)
-    placed, full, attention = placed[layers], full[layers], attention[layers]
-    keys, values = [k for k, _ in placed], [v for _, v in placed]
-    ref_keys, ref_values = [k for k, _ in full], [v for _, v in full]
-    return {"oracle-deviation": deviation_scores(keys, values, ref_keys, ref_values, reused),
-            "oracle-impact": impact_scores(values, ref_values, attention, reused)}
+    rankings = {}
+    for through in throughs:
+        layers = slice(0, None if through is None else through + 1)
+        keys, values = [k for k, _ in placed[layers]], [v for _, v in placed[layers]]
+        ref_keys, ref_values = [k for k, _ in full[layers]], [v for _, v in full[layers]]
+        rankings[through] = {"oracle-deviation": deviation_scores(keys, values, ref_keys, ref_values, reused),
+                             "oracle-impact": impact_scores(values, ref_values, attention[layers], reused)}
+    return rankings
 
 
 def label(name: str, ratio: float, through: int | None) -> str:
@@ -170,13 +173,12 @@ def evaluate(harness: PICHarness, ratios: list[float], num_prompts: int, seed: i
     for index, (prompt, reference, pic_off) in enumerate(reference_prompts(harness, num_prompts, seed,
                                                                              detail_sentences)):
         off.append(pic_off)
+        rankings = oracle_rankings(harness, prompt, reference.block_table, throughs)
         for ratio in ratios:
-            base = CacheBlend(ratio=ratio)
-            backends = {label("cacheblend", ratio, None): base}
-            for through in throughs:
-                rankings = oracle_rankings(harness, prompt, reference.block_table, base, through)
+            backends = {label("cacheblend", ratio, None): CacheBlend(ratio=ratio)}
+            for through, scored in rankings.items():
                 backends.update({label(name, ratio, through): RankedBlend(ratio=ratio, scores=scores)
-                                 for name, scores in rankings.items()})
+                                 for name, scores in scored.items()})
             for name in labels:
                 if name in backends:
                     rows[name].append(measure(harness, backends[name], prompt, reference, reference.prefill_seconds))

@@ -34,6 +34,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -213,17 +214,19 @@ class PICHarness:
         return block_table[positions // self.page_size] * self.page_size + positions % self.page_size
 
     @torch.inference_mode()
-    def forward(self, token_ids: list[int], block_table: torch.Tensor, start: int, states=None):
+    def forward(self, token_ids: list[int], block_table: torch.Tensor, start: int, states=None,
+                context_type: Callable[..., AttentionContext] = AttentionContext):
         """Tokens at positions [start, start + T) after ``start`` cached ones -> (final hidden [T, Hd], states).
 
-        ``states``: per linear-attention layer, the state after position ``start`` (None at the start)."""
+        ``states``: per linear-attention layer, the state after position ``start`` (None at the start).
+        ``context_type``: builds the attention context from (backend, metadata, caches, MLA backend)."""
         ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
         positions = torch.arange(start, start + ids.numel(), device=self.device)
         meta = AttentionMetadata(query_start_loc=[0, ids.numel()], seq_lens=[start + ids.numel()],
                                  block_tables=block_table[None], slot_mapping=self.slots(block_table, positions),
                                  page_size=self.page_size)
         runner = self.engine.model_runner
-        ctx = AttentionContext(runner.attention_backend, meta, self.storage.layer_caches, runner.mla_backend)
+        ctx = context_type(runner.attention_backend, meta, self.storage.layer_caches, runner.mla_backend)
         if not self.has_linear_attention:
             return self.model.forward(ids, positions, ctx), None
         hidden, new_states = self.model.forward_with_states(
