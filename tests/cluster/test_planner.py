@@ -10,7 +10,7 @@ from nebula_engine.cluster.control.config import ClusterProfile
 from nebula_engine.cluster.control.messages import Tier
 from nebula_engine.cluster.control.planner import (GreedyPlanner, Hit, PlanningProblem, TransferCosts,
                                            compiled_kernel, estimate, hit_source, hit_tokens_by_source,
-                                           summarise, supplied_by_source)
+                                           readable_copies, summarise, supplied_by_source)
 from reference_planner import reference_plan
 
 
@@ -118,6 +118,22 @@ def test_load_beats_recompute_pays_the_link_latency_once():
     assert costs.load_beats_recompute(Tier.DEVICE, 1, 1, 1)  # its own copy
 
 
+def test_readable_copies_pay_each_source_latency_once_and_move_a_dropped_source_segments_to_the_next_holder():
+    d = [[0.0, 0.1, 0.2], [0.1, 0.0, 0.1], [0.2, 0.1, 0.0]]
+    latency = [[0.0, 150.0, 150.0], [150.0, 0.0, 150.0], [150.0, 150.0, 0.0]]
+    costs = TransferCosts(d, {Tier.HOST: 0.95}, latency=latency)
+    device = Tier.DEVICE
+    holders = {"x": ((1, device), (2, device)), "y": ((2, device),), "z": ((2, device),), "own": ((0, Tier.HOST),),
+               "dear": ((2, Tier.HOST),)}
+    length = {"x": 100, "y": 100, "z": 100, "own": 10, "dear": 500}
+    # x is cheaper from worker 1, but 1 would send only x (90 saved < 150): x comes from 2 with y and z (240 > 150);
+    # the home's own host copy has no latency; a copy dearer per token than recomputing is never read
+    assert readable_copies(holders, length, 0, costs) == {
+        "x": ((2, device),), "y": ((2, device),), "z": ((2, device),), "own": ((0, Tier.HOST),), "dear": ()}
+    assert readable_copies({"y": ((2, device),)}, {"y": 100}, 0, costs) == {"y": ()}
+    assert readable_copies({"y": ((2, device),)}, {"y": 100}, 2, costs) == {"y": ((2, device),)}
+
+
 def test_transfer_costs_from_profile_follow_topology():
     profile = ClusterProfile.load()
     costs = TransferCosts.from_profile(profile, 7)
@@ -185,6 +201,40 @@ def test_both_loops_match_literal_algorithm_1_with_latency_dispatch_and_shared_c
     problem = random_problem(rng, workers, rng.randint(0, 14))
     assert GreedyPlanner(costs, seed, compiled=compiled).plan(problem) == \
         reference_plan(problem, costs, random.Random(seed))
+
+
+@pytest.mark.parametrize("compiled", [None, False])
+@pytest.mark.parametrize("seed", range(150))
+@pytest.mark.parametrize("fixed_costs", [costs_with_dispatch, costs_on_shared_cores, costs_with_combine_queues])
+def test_both_loops_match_literal_algorithm_1_with_a_lead_in_the_home_term(fixed_costs, seed, compiled):
+    rng = random.Random(seed)
+    workers = rng.randint(1, 6)
+    costs = fixed_costs(rng, workers)
+    problem = random_problem(rng, workers, rng.randint(0, 14))
+    problem = replace(problem, lead=rng.choice([0.0, problem.combine_cost * rng.random(), problem.combine_cost]))
+    plan = GreedyPlanner(costs, seed, compiled=compiled).plan(problem)
+    assert plan == reference_plan(problem, costs, random.Random(seed))
+    assert plan.estimate == estimate(problem, plan.home, plan.cold_workers, plan.hit_sources, costs)
+
+
+@pytest.mark.parametrize("compiled", [None, False])
+def test_a_lead_prefilled_while_the_home_waits_overlaps_the_helpers_and_loads_the_home(compiled):
+    """The home prefills the prompt's lead (400 tokens of C) while remote KV is in flight. Counted after the wait,
+    as §7.2 counts all of C, the lead makes no worker busier and a cold segment stays home (a helper's latency
+    exceeds it); counted in the home's term, the home is the longest term and the segment goes to the idle
+    helper, which ends before the lead does: the estimate falls by the overlap. With two shared cores the lead
+    is also work in F."""
+    costs = TransferCosts([[0.0, 0.01], [0.01, 0.0]], latency=[[0.0, 150.0], [150.0, 0.0]], combine_queues=True)
+    problem = PlanningProblem((Hit(1000, ((0, Tier.DEVICE),)),), (100,), (0.0, 50.0), 500.0)
+    planner = GreedyPlanner(costs, compiled=compiled)
+    after_wait = planner.plan(problem)
+    assert (after_wait.home, after_wait.cold_workers, after_wait.estimate) == (0, (0,), 600.0)
+    overlapped = planner.plan(replace(problem, lead=400.0))
+    assert (overlapped.home, overlapped.cold_workers) == (0, (1,))
+    assert overlapped.estimate == pytest.approx(400.0 + 100.0)  # max(lead, 50 + 150 + 101) + the 100 left of C
+    shared = TransferCosts(costs.to, latency=costs.latency, parallel_forwards=2, combine_queues=True)
+    assert costs.work_floor(replace(problem, lead=400.0)) == 0.0
+    assert shared.work_floor(replace(problem, lead=400.0)) == (50 + 100 + 400) / 2
 
 
 @pytest.mark.parametrize("compiled", [None, False])

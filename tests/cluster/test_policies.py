@@ -161,6 +161,45 @@ def test_a_short_device_copy_behind_a_slow_link_is_recomputed_at_the_home():
         assert [s.action for s in plan.segments if s.key == "doc"] == [action]
 
 
+def test_short_copies_on_one_source_are_read_when_together_they_pay_its_latency_once():
+    """The link's latency is paid once per source, not once per segment: two 100-token documents behind a 150-token
+    latency are each not worth a read, but read together from one holder they save 180 tokens for 150 (before, each
+    was judged alone and both were recomputed). A lone one on another holder is still recomputed."""
+    latency = [[0.0, 150.0, 150.0], [150.0, 0.0, 150.0], [150.0, 150.0, 0.0]]
+    d = [[0.0, 0.1, 0.1], [0.1, 0.0, 0.1], [0.1, 0.1, 0.0]]
+    keys = RequestKeys.of(request("r", ("I", "big", 1000), ("I", "doc-a", 100), ("I", "doc-b", 100),
+                                  ("I", "doc-c", 100), ("R", "q", 5)))
+    for home in (None, 0):  # planned by the policy, and with the home pinned
+        plane = ControlPlane(ClusterConfig(num_prefill_workers=3), "nebula", costs=TransferCosts(d, latency=latency))
+        store_all(plane, 1, CacheKind.PIC, ("doc-a", "doc-b"), start_seq=1)
+        plane.on_event(StoreEvent(2, 1, CacheKind.PIC, ("doc-c",), 100), now=0.0)
+        plane.on_event(StoreEvent(0, 1, CacheKind.PIC, ("big",), 1000), now=0.0)
+        plan = plane.on_request(keys, now=1.0, home=home).plan
+        assert plan.combine_home == 0
+        assert {s.key: (s.action, s.worker) for s in plan.segments} == {
+            "big": (Action.REUSE, 0), "doc-a": (Action.REUSE, 1), "doc-b": (Action.REUSE, 1),
+            "doc-c": (Action.COMPUTE, 0)}
+
+
+def test_the_lead_a_waiting_home_prefills_is_planned_as_its_own_work():
+    """This project's peers prefill the prompt's lead (regular tokens past the prefix hit, before the first PIC
+    segment) while a combine waits for remote KV (``lead_while_waiting``). Planned so, the lead overlaps a helper
+    that computes the cold document, and worker 0 (which holds the big one) stays home; counted after the wait
+    (§7.2), the document stays at the home."""
+    for lead_while_waiting, doc_worker in ((False, 0), (True, 1)):
+        costs = TransferCosts([[0.0, 0.01], [0.01, 0.0]], latency=[[0.0, 150.0], [150.0, 0.0]],
+                              combine_queues=True, lead_while_waiting=lead_while_waiting)
+        plane = ControlPlane(ClusterConfig(num_prefill_workers=2), "nebula", costs=costs)
+        plane.on_event(StoreEvent(0, 1, CacheKind.PIC, ("big",), 1000), now=0.0)
+        plane.view.reserve("earlier", 1, 50.0)
+        keys = RequestKeys.of(request("r", ("R", "lead", 400), ("I", "big", 1000), ("I", "doc", 100), ("R", "q", 5)))
+        plan = plane.on_request(keys, now=1.0).plan
+        assert plan.combine_home == 0
+        assert [(s.action, s.worker) for s in plan.segments if s.key == "doc"] == [(Action.COMPUTE, doc_worker)]
+        assert plane.policy.lead(keys, 0) == (400.0 if lead_while_waiting else 0.0)
+        assert plane.policy.lead(keys, 1) == 0.0  # a prefix hit through the lead leaves nothing to prefill
+
+
 def test_a_segment_not_worth_reading_still_draws_the_request_to_the_worker_that_holds_it():
     """Whether a copy pays depends on the home: a short segment behind a slow link is a hit at its holder and
     cold anywhere else. Planned once for every home, the holder wins while its queue is short, and reuses its copy

@@ -70,7 +70,10 @@ class ClusterProfile:
     (the worker finishing what it is doing, the home's pin waiting for the segment); 0 in the paper's model.
     ``combine_queues``: a combine waits behind everything already queued at its home, as this project's engine
     runs a home's work in arrival order; False is the paper's model, where a combine whose KV is ready runs first
-    (§7.2), so the home's queue counts only when the home computes a cold segment.
+    (§7.2), so the home's queue counts only when the home computes a cold segment. ``lead_while_waiting``: a home
+    whose combine waits for remote KV prefills the prompt's lead meanwhile (the regular tokens before its first PIC
+    segment, past the prefix hit), as this project's peers do, so the planner counts the lead in the home's term
+    instead of after the wait (``PlanningProblem.lead``); False is the paper's model, where it is part of C.
     """
 
     name: str
@@ -90,6 +93,7 @@ class ClusterProfile:
     node_cores: float = 1.0
     dispatch_s: float = 0.0
     combine_queues: bool = False
+    lead_while_waiting: bool = False
     sources: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
@@ -155,7 +159,7 @@ class ClusterProfile:
     @classmethod
     def from_dict(cls, data: dict) -> "ClusterProfile":
         required = {f.name for f in fields(cls) if f.name not in ("shared_compute", "node_cores", "dispatch_s",
-                                                                   "combine_queues", "sources")}
+                                                                   "combine_queues", "lead_while_waiting", "sources")}
         missing = sorted(required - set(data))
         if missing:
             raise ValueError(f"profile {data.get('name', '?')!r} lacks {', '.join(missing)}")

@@ -11,7 +11,7 @@ from nebula_engine.cluster.control.cache_manager import CacheManager
 from nebula_engine.cluster.control.config import ClusterConfig
 from nebula_engine.cluster.control.messages import (Action, CacheKind, PrefillPlan, PrefixPlan, SegmentPlan, Tier,
                                             WorkerEvent)
-from nebula_engine.cluster.control.planner import TransferCosts
+from nebula_engine.cluster.control.planner import Hit, TransferCosts, hit_source, readable_copies
 from nebula_engine.cluster.control.policies import make_policy, view_config
 from nebula_engine.cluster.control.request_keys import RequestKeys
 from nebula_engine.cluster.control.view import ClusterView
@@ -55,7 +55,7 @@ class ControlPlane:
     def pinned_plan(self, keys: RequestKeys, home: int, now: float) -> PrefillPlan:
         """A plan whose combine runs on ``home``: the prefix it holds is reused (``nebula``: or a deeper one that
         another worker holds, read from there when that beats recomputing it); with PIC, each segment past it
-        is read from the holder cheapest to move to ``home`` (if that beats recomputing it) or computed at
+        is read from the holder cheapest to move to ``home`` (when reading it pays: ``readable_copies``) or computed at
         ``home``; a segment repeated inside the request is planned once."""
         depths = self.view.prefix_matches(keys.pc_keys, now)
         holder, depth = home, depths.get(home, 0)
@@ -65,6 +65,7 @@ class ControlPlane:
             if deepest[1] > depth and self.costs.load_beats_recompute(Tier.DEVICE, deepest[0], home, extra_tokens):
                 holder, depth = deepest
         prefix = PrefixPlan(holder, depth, keys.prefix_tokens(depth)) if depth else None
+        readable = self._pinned_readable(keys, home, depth, now)
         segments, placed = [], {}
         for index in keys.pic_indices if self.policy.name != "pc" else ():
             if index < depth:
@@ -76,21 +77,30 @@ class ControlPlane:
                 first = placed[key]
                 segments.append(SegmentPlan(index, key, tokens, first.worker, Action.REUSE, tier=first.tier))
             else:
-                placed[key] = self._pinned_source(keys, index, home, now)
+                copies = readable.get(key)
+                if copies:
+                    source = hit_source(Hit(tokens, copies), home, self.costs)
+                    tier = next(t for w, t in copies if w == source)
+                    placed[key] = SegmentPlan(index, key, tokens, source, Action.REUSE, tier=tier)
+                else:
+                    placed[key] = SegmentPlan(index, key, tokens, home, Action.COMPUTE,
+                                              task_id=f"{keys.request_id}/scatter/{index}")
                 segments.append(placed[key])
         return PrefillPlan(request_id=keys.request_id, combine_home=home, combine_task_id=f"{keys.request_id}/combine",
                            combine_tokens=keys.total_tokens - keys.prefix_tokens(depth), prefix=prefix,
                            segments=tuple(segments), pc_keys=keys.pc_keys, segment_tokens=keys.tokens)
 
-    def _pinned_source(self, keys: RequestKeys, index: int, home: int, now: float) -> SegmentPlan:
-        key, tokens = keys.content_ids[index], keys.tokens[index]
-        holders = self.view.holders(CacheKind.PIC, key, now) if self.policy.name == "nebula" else {}
-        if holders:
-            source, record = min(holders.items(),
-                                 key=lambda item: (self.costs.copy_cost(item[1].tier, item[0], home), item[0]))
-            if self.costs.load_beats_recompute(record.tier, source, home, tokens):
-                return SegmentPlan(index, key, tokens, source, Action.REUSE, tier=record.tier)
-        return SegmentPlan(index, key, tokens, home, Action.COMPUTE, task_id=f"{keys.request_id}/scatter/{index}")
+    def _pinned_readable(self, keys: RequestKeys, home: int, depth: int, now: float) -> dict:
+        """``nebula``: per PIC content past the prefix, the copies ``home`` reads (``readable_copies``)."""
+        if self.policy.name != "nebula":
+            return {}
+        holders, length = {}, {}
+        for index in keys.pic_indices:
+            key = keys.content_ids[index]
+            if index >= depth and key not in holders:
+                holders[key] = tuple((w, r.tier) for w, r in sorted(self.view.holders(CacheKind.PIC, key, now).items()))
+                length[key] = keys.tokens[index]
+        return readable_copies(holders, length, home, self.costs)
 
     def on_event(self, event: WorkerEvent, now: float) -> bool:
         self.view.expire(now)

@@ -8,9 +8,15 @@ tier's per-token load cost. C, the combine prefill, is the same for every plan. 
 is ready priority at its home; on an engine that runs a home's work in arrival order (this one:
 ``TransferCosts.combine_queues``) the home's Q_c counts even when it computes nothing.
 
+A peer of this project's local cluster prefills the prompt's lead (its regular tokens past the prefix hit, before
+the first PIC segment) while its combine waits for remote KV (``TransferCosts.lead_while_waiting``). That part of C,
+``PlanningProblem.lead``, is then the home's own work: it is added to the home's term (and to F below) and taken out
+of the C added after the maximum, so helpers whose KV arrives while the home prefills the lead cost nothing. With
+no lead this is §7.2's estimate.
+
 Workers that share processors (a local cluster on one machine: ``ClusterProfile.shared_compute``) cannot
 finish before the machine has done all the work it holds, whichever worker computes it. The estimate is then
-max(T(pi), F) with F = (sum_w Q_w + all cold tokens) / the forwards the machine runs at full speed at once
+max(T(pi), F) with F = (sum_w Q_w + all cold tokens + the lead) / the forwards the machine runs at full speed at once
 (``TransferCosts.parallel_forwards``). F is the same for every plan and home, so it acts like one more worker
 whose term no move changes: a move is still accepted iff the estimate drops, and once F is the maximum,
 spreading cold segments gains nothing and they stay at the home. With dedicated processors F = 0, the paper's
@@ -55,6 +61,7 @@ logger = logging.getLogger(__name__)
 
 NO_WORKER_UP = "every prefill worker is down: nothing can take the request"
 T = TypeVar("T")
+K = TypeVar("K")
 
 
 class TransferCosts:
@@ -70,16 +77,19 @@ class TransferCosts:
     ``parallel_forwards``: how many prefills the workers' shared processors run at once at full speed (infinite:
     each worker has its own, the paper's setting); it sets the floor F of the module docstring.
     ``combine_queues``: the home's queue Q_c counts in its term whether or not it computes a cold segment, since
-    the combine waits behind it (``ClusterProfile.combine_queues``); False is §7.2's estimate."""
+    the combine waits behind it (``ClusterProfile.combine_queues``); False is §7.2's estimate.
+    ``lead_while_waiting``: the home prefills the prompt's lead while it waits for remote KV, so a policy plans the
+    lead as the home's own work (``PlanningProblem.lead``, ``ClusterProfile.lead_while_waiting``)."""
 
     def __init__(self, to: Sequence[Sequence[float]], tier_cost: dict[Tier, float] | None = None,
                  latency: Sequence[Sequence[float]] | None = None,
                  dispatch: Sequence[Sequence[float]] | None = None, parallel_forwards: float = math.inf,
-                 combine_queues: bool = False):
+                 combine_queues: bool = False, lead_while_waiting: bool = False):
         if not parallel_forwards > 0:
             raise ValueError(f"parallel_forwards must be positive, got {parallel_forwards}")
         self.parallel_forwards = float(parallel_forwards)
         self.combine_queues = combine_queues
+        self.lead_while_waiting = lead_while_waiting
         self.to = [list(column) for column in to]
         self.tier_cost = {**{tier: math.inf for tier in Tier}, **(tier_cost or {}), Tier.DEVICE: 0.0}
         self.num_workers = len(self.to)
@@ -108,14 +118,15 @@ class TransferCosts:
         nodes = len({profile.node_of(w) for w in range(num_workers)})
         parallel = profile.node_cores * nodes if profile.shared_compute else math.inf
         return cls(to, {tier: profile.tier_cost(tier) for tier in Tier}, latency, dispatch, parallel,
-                   profile.combine_queues)
+                   profile.combine_queues, profile.lead_while_waiting)
 
     def work_floor(self, problem: "PlanningProblem") -> float:
-        """F: the time the shared processors need for all queued work plus this request's cold segments
-        (0 when every worker has its own processor)."""
+        """F: the time the shared processors need for all queued work plus this request's cold segments and the
+        lead its home prefills while it waits (0 when every worker has its own processor)."""
         if math.isinf(self.parallel_forwards):
             return 0.0
-        return (sum(q for q in problem.outstanding if q < math.inf) + sum(problem.cold)) / self.parallel_forwards
+        return (sum(q for q in problem.outstanding if q < math.inf) + sum(problem.cold) + problem.lead) \
+            / self.parallel_forwards
 
     def copy_cost(self, tier: Tier, src: int, home: int) -> float:
         """Per-token cost, in prefill tokens, of reading a copy on ``tier`` at ``src`` and moving it to ``home``."""
@@ -141,6 +152,14 @@ class PlanningProblem:
     cold: tuple[int, ...]  # lengths of the cold PIC segments
     outstanding: tuple[float, ...]  # Q_w, excluding this request; infinite for a worker that is down
     combine_cost: float  # C
+    # the part of C the home computes while remote KV is in flight (the prompt's lead, ``TransferCosts.
+    # lead_while_waiting``): counted in the home's term and in F instead of after the maximum; 0 is §7.2's estimate
+    lead: float = 0.0
+
+    @property
+    def after_wait(self) -> float:
+        """What the combine computes once its KV is all there: C less the lead."""
+        return self.combine_cost - self.lead
 
 
 @dataclass(frozen=True)
@@ -192,6 +211,31 @@ def hit_source(hit: Hit, home: int, costs: TransferCosts) -> int:
     column = costs.to[home]
     return min(hit.holders,
                key=lambda h: (column[h[0]] + costs.tier_cost[h[1]], h[0] != home, h[0]))[0]
+
+
+def readable_copies(holders: dict[K, tuple[tuple[int, Tier], ...]], length: dict[K, int], home: int,
+                    costs: TransferCosts, slack: float = 0.0) -> dict[K, tuple[tuple[int, Tier], ...]]:
+    """Per segment (``holders``: its copies; ``length``: its tokens), the copies a combine at ``home`` reads rather
+    than recomputes. A copy must cost less per token to load and move there than recomputing it (§7.2's d(w -> c)
+    plus the tier's read cost), and a source worker must save, over every copy the home reads from it (``hit_source``
+    picks which), more than its link's latency, which it pays once however many copies it sends
+    (``TransferCosts.latency``). A source that does not is dropped for every segment and those segments go to their
+    next cheapest holder, until every source left pays. With no latency a device copy always passes, as in
+    Algorithm 1; with it, short segments held elsewhere are hits only for a home that holds them, or when enough of
+    them come from one source."""
+    kept = {key: tuple((w, tier) for w, tier in copies if costs.copy_cost(tier, w, home) < 1.0)
+            for key, copies in holders.items()}
+    while True:
+        saved: dict[int, float] = {}
+        for key, copies in kept.items():
+            if copies:
+                src = hit_source(Hit(length[key], copies), home, costs)
+                tier = next(t for w, t in copies if w == src)
+                saved[src] = saved.get(src, 0.0) + length[key] * (1.0 - costs.copy_cost(tier, src, home))
+        dropped = {src for src, tokens in saved.items() if not costs.latency[home][src] - slack < tokens}
+        if not dropped:
+            return kept
+        kept = {key: tuple(c for c in copies if c[0] not in dropped) for key, copies in kept.items()}
 
 
 TIERS = tuple(Tier)
@@ -329,13 +373,13 @@ class GreedyPlanner:
         estimates, moved = self.kernel.plan_homes(self.costs.matrix, self.costs.latency_matrix,
                                                   self.costs.dispatch_matrix, queue, by_load, homes,
                                                   cold[order], tokens, extra, self.costs.work_floor(problem),
-                                                  self.costs.combine_queues)
+                                                  self.costs.combine_queues, float(problem.lead))
         best = estimates.min()
         home = break_tie(np.flatnonzero(estimates == best).tolist(), int, problem.outstanding, self.rng)  # ascending
         cold_workers = np.empty_like(cold)
         cold_workers[order] = moved[home]
         return GreedyPlan(home, tuple(cold_workers.tolist()), self._hit_sources(problem.hits, home),
-                          float(best) + problem.combine_cost)
+                          float(best) + problem.after_wait)
 
     def _hit_sources(self, hits: Sequence[Hit], home: int) -> tuple[int, ...]:
         return tuple(hit.holders[0][0] if len(hit.holders) == 1 else hit_source(hit, home, self.costs)
@@ -370,7 +414,7 @@ class GreedyPlanner:
         for rank, worker in moves:
             cold_workers[order[rank]] = worker
         sources = tuple(hit_source(hit, home, self.costs) for hit in problem.hits)
-        return GreedyPlan(home, tuple(cold_workers), sources, best + problem.combine_cost)
+        return GreedyPlan(home, tuple(cold_workers), sources, best + problem.after_wait)
 
     def _plan_home(self, problem, home, lengths, negated, by_load, position, summary, bound, floor):
         """Greedy moves for one home; returns (max(max_w T_w, floor), [(rank of cold segment, worker)]).
@@ -385,6 +429,7 @@ class GreedyPlanner:
         home_queue = queue[home]
         if self.costs.combine_queues:  # the combine waits for the home's queue: a fixed part of the home's term
             home_fixed, home_queue = home_fixed + home_queue, 0.0
+        home_fixed += problem.lead
         others = max((f for w, f in fixed.items() if w != home), default=0.0) if home in fixed \
             else max(fixed.values(), default=0.0)
         others = max(others, floor)  # F: a term no move changes, like a source's
@@ -445,6 +490,10 @@ def estimate(problem: PlanningProblem, home: int, cold_workers: Sequence[int],
     terms = [worker_time(problem.outstanding[w] if computed[w] else 0.0, computed[w], column[w],
                          fixed.get(w, latency[w] if computed[w] else 0.0)) + (dispatch[w] if computed[w] else 0.0)
              for w in range(costs.num_workers)]
-    if costs.combine_queues:  # the home's term with its queue always in it, in the planner's operation order
-        terms[home] = worker_time(0.0, computed[home], column[home], fixed.get(home, 0.0) + problem.outstanding[home])
-    return max(max(terms), costs.work_floor(problem)) + problem.combine_cost
+    # the home's term in the planner's operation order: its queue (always, when the combine waits behind it), then
+    # the lead it prefills while it waits (a worker pays no latency or dispatch to itself)
+    home_queue, home_fixed = problem.outstanding[home] if computed[home] else 0.0, fixed.get(home, 0.0)
+    if costs.combine_queues:
+        home_queue, home_fixed = 0.0, home_fixed + problem.outstanding[home]
+    terms[home] = worker_time(home_queue, computed[home], column[home], home_fixed + problem.lead)
+    return max(max(terms), costs.work_floor(problem)) + problem.after_wait

@@ -16,10 +16,11 @@ import numpy as np
 from numba import njit
 
 # (rows of to, rows of latency, rows of dispatch, queue, workers up by load, homes to try by load, cold lengths longest
-# first, tokens and extra per source, the shared processors' work floor, whether a combine waits for its home's queue)
+# first, tokens and extra per source, the shared processors' work floor, whether a combine waits for its home's queue,
+# the lead the home prefills while it waits)
 PLAN_HOMES_SIGNATURE = "Tuple((float64[::1], int64[:, ::1]))(float64[:, ::1], float64[:, ::1], float64[:, ::1], " \
                        "float64[::1], int64[::1], int64[::1], int64[::1], int64[:, ::1], float64[:, ::1], float64, " \
-                       "boolean)"
+                       "boolean, float64)"
 
 
 @njit("boolean(float64, int64, float64, int64)", cache=True)
@@ -70,8 +71,8 @@ def _home_time(home_queue, remaining, home_fixed):
 
 
 @njit(cache=True)
-def _plan_home(home, column, dispatch, queue, homes, lengths, fixed, sending, bound, floor, combine_queues, computed,
-               heap_loads, heap_workers, moved):
+def _plan_home(home, column, dispatch, queue, homes, lengths, fixed, sending, bound, floor, combine_queues, lead,
+               computed, heap_loads, heap_workers, moved):
     """Greedy moves for one home, writing the worker of each cold segment (by rank) into ``moved``.
 
     Returns max_w T_w, or a value above ``bound`` (with ``moved`` incomplete) once the home cannot end
@@ -97,6 +98,7 @@ def _plan_home(home, column, dispatch, queue, homes, lengths, fixed, sending, bo
     if combine_queues:  # the Python path: the combine waits for the home's queue, a fixed part of its term
         home_fixed = home_fixed + home_queue
         home_queue = 0.0
+    home_fixed = home_fixed + lead
     home_time = _home_time(home_queue, remaining, home_fixed)
     size = 0  # the other workers by load: a sorted array is a valid heap
     for worker in homes:
@@ -136,7 +138,7 @@ def _plan_home(home, column, dispatch, queue, homes, lengths, fixed, sending, bo
 
 
 @njit(PLAN_HOMES_SIGNATURE, cache=True)
-def plan_homes(to, latency, dispatch, queue, homes, candidates, lengths, tokens, extra, floor, combine_queues):
+def plan_homes(to, latency, dispatch, queue, homes, candidates, lengths, tokens, extra, floor, combine_queues, lead):
     """Run the greedy for every home of ``candidates``, least loaded first, pruning against the best estimate so
     far.
 
@@ -147,7 +149,8 @@ def plan_homes(to, latency, dispatch, queue, homes, candidates, lengths, tokens,
     for all the work (``TransferCosts.work_floor``): a lower bound on every home's estimate.
     ``homes`` may leave workers out (down ones): they are neither home nor helper. ``candidates`` (some of
     ``homes``) are the homes tried; the others only help. ``combine_queues``: the home's queue counts in its term
-    even when it computes nothing (``TransferCosts.combine_queues``).
+    even when it computes nothing (``TransferCosts.combine_queues``). ``lead``: tokens the home prefills while it
+    waits for remote KV, in its term (``PlanningProblem.lead``).
     Returns per-home estimates (pruned homes: some value above the final best; homes not tried: infinity) and
     per-home cold assignments by rank, complete only for homes that were tried and not pruned.
     """
@@ -169,7 +172,7 @@ def plan_homes(to, latency, dispatch, queue, homes, candidates, lengths, tokens,
             sending[worker] = tokens[row, worker] != 0
             fixed[worker] = column[worker] * tokens[row, worker] + extra[row, worker] + latency[home, worker]
         estimate = _plan_home(home, column, dispatch[home], queue, homes, lengths, fixed, sending, best, floor,
-                              combine_queues, computed, heap_loads, heap_workers, moved[home])
+                              combine_queues, lead, computed, heap_loads, heap_workers, moved[home])
         estimates[home] = estimate
         if estimate < best:
             best = estimate

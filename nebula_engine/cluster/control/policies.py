@@ -16,7 +16,8 @@ from dataclasses import replace
 from nebula_engine.cluster.control.config import ClusterConfig, ViewConfig
 from nebula_engine.cluster.control.messages import (Action, CacheKind, PrefillPlan, PrefixPlan, SegmentPlan,
                                             Tier)
-from nebula_engine.cluster.control.planner import NO_WORKER_UP, Hit, PlanningProblem, TransferCosts, break_tie
+from nebula_engine.cluster.control.planner import (NO_WORKER_UP, Hit, PlanningProblem, TransferCosts, break_tie,
+                                                   readable_copies)
 from nebula_engine.cluster.control.request_keys import RequestKeys
 from nebula_engine.cluster.control.schedulers import SCHEDULERS
 from nebula_engine.cluster.control.view import ClusterView
@@ -119,7 +120,7 @@ class NebulaPolicy(Policy):
         length = {}  # tokens of each PIC content
         for i in keys.pic_indices:
             length.setdefault(keys.content_ids[i], keys.tokens[i])
-        readable = {home: self._readable(holders, length, home) for home in up}
+        readable = {home: readable_copies(holders, length, home, self.costs) for home in up}
         if all(copies == holders for copies in readable.values()):  # every copy pays: Algorithm 1 over all homes
             problem, hit_index, cold_index = self._problem(keys, view, depth, prefix_holders, holders)
             placed = self.scheduler.place(problem)
@@ -127,15 +128,6 @@ class NebulaPolicy(Policy):
             problem, hit_index, cold_index, placed = self._best_home(keys, view, depth, prefix_holders, readable)
         plan = self._to_plan(keys, placed, problem, hit_index, cold_index, depth)
         return self._with_repeats(plan, keys, depth)
-
-    def _readable(self, holders: dict, length: dict, home: int) -> dict:
-        """Per PIC content, the copies a combine at ``home`` reads rather than recomputes: those whose load and move
-        there cost less than recomputing the segment (§7.2's d(w -> c) plus the tier's read cost per token, and the
-        link's latency once). With no latency a device copy always passes, as in Algorithm 1; with it, a short
-        segment held elsewhere is a hit only for a home that holds it."""
-        return {content: tuple((w, tier) for w, tier in copies
-                               if self.costs.load_beats_recompute(tier, w, home, length[content]))
-                for content, copies in holders.items()}
 
     def _best_home(self, keys, view, depth, prefix_holders, readable):
         """Plan once per home with the hits that home would read, and keep the lowest estimate (ties: the least
@@ -161,6 +153,15 @@ class NebulaPolicy(Policy):
         pic = set(keys.pic_indices)
         return sum(keys.tokens[i] * (self.combine_ratio if i in pic else 1.0) for i in range(depth, len(keys.tokens)))
 
+    def lead(self, keys: RequestKeys, depth: int) -> float:
+        """The prompt's lead in prefill tokens when the home prefills it while it waits for remote KV
+        (``TransferCosts.lead_while_waiting``; else 0): the regular tokens past the prefix hit before the first PIC
+        segment. None of them is cached anywhere, so every home computes them."""
+        first_pic = keys.pic_indices[0] if keys.pic_indices else 0
+        if not self.costs.lead_while_waiting or first_pic <= depth:
+            return 0.0
+        return float(keys.prefix_tokens(first_pic) - keys.prefix_tokens(depth))
+
     def _problem(self, keys, view, depth, prefix_holders, holders):
         hits, hit_index, cold, cold_index = [], [], [], []
         if depth:
@@ -178,7 +179,8 @@ class NebulaPolicy(Policy):
             else:
                 cold.append(keys.tokens[i])
                 cold_index.append(i)
-        problem = PlanningProblem(tuple(hits), tuple(cold), tuple(view.outstanding()), self.combine_cost(keys, depth))
+        problem = PlanningProblem(tuple(hits), tuple(cold), tuple(view.outstanding()), self.combine_cost(keys, depth),
+                                  self.lead(keys, depth))
         return problem, hit_index, cold_index
 
     def _to_plan(self, keys, placed, problem, hit_index, cold_index, depth) -> PrefillPlan:

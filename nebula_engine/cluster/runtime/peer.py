@@ -86,7 +86,8 @@ class Peer:
         self.worker.local_router = self.dispatch
         per_token_s = await self.port.prefill_seconds_per_token()
         logger.info("%s: prefill timed at start-up: %.4f ms a token", self.name, per_token_s * 1e3)
-        config = measured_cluster_config(self.spec, self.port.kv_geometry, per_token_s)
+        config = measured_cluster_config(self.spec, self.port.kv_geometry, per_token_s,
+                                         lead_while_waiting=self.port.combines_start_after_prefix)
         self.router = RouterService(self.name, [p.name for p in self.spec.prefill_peers],
                                     [p.name for p in self.spec.decode_peers], config, self.spec.policy,
                                     self.send, self._pic_key, dead_after_s=settings.peer_timeout_s,
