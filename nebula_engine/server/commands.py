@@ -123,9 +123,7 @@ def _check_listen(addresses) -> None:
 
 def _peer_addresses(spec, peer, spec_file) -> list[tuple[str, int, str]]:
     """What one peer of a cluster spec listens on: HTTP, the control channel and (without etcd) Raft."""
-    kinds = ("http_port", "ctrl_port") if spec.etcd else ("http_port", "ctrl_port", "raft_port")
-    return [(peer.api_host if kind == "http_port" else peer.host, getattr(peer, kind),
-             f"{peer.name}'s {kind} in {spec_file}") for kind in kinds]
+    return [(host, port, f"{peer.name}'s {kind} in {spec_file}") for host, port, kind in spec.listen_addresses(peer.name)]
 
 
 CLUSTER_OPTIONS = ("cluster_secret", "cluster_secret_file", "peer_timeout", "failover_timeout", "etcd_ca_cert",
@@ -214,7 +212,8 @@ def _serve_cluster(model, served_model_name, host, port, log_level, prefill_work
         raise click.UsageError(str(exc)) from exc
     _check_listen([(peer.api_host, peer.http_port, "--port (a local cluster listens on --port, --port+1, ...)")
                    for peer in spec.peers])
-    cluster = LocalCluster(model, spec, options, served_model_name or model, log_level=log_level, settings=settings)
+    cluster = LocalCluster(model, spec, options, served_model_name or model, log_level=log_level, settings=settings,
+                           keep_http_ports=port != 0)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -6,6 +6,7 @@ Kept apart from test_cluster_e2e so that no other cluster shares the two CPU cor
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 import urllib.error
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from nebula_engine.cluster.runtime.launcher import LocalCluster, local_spec
+from nebula_engine.cluster.runtime.launcher import LocalCluster, PortTaken, local_spec, with_new_ports
 from nebula_engine.cluster.runtime.spec import PeerSettings
 from nebula_engine.cluster.runtime.transfer import nixl_available
 from tests.cluster.test_cluster_e2e import ENGINE, completion, documents, post, rag_segments
@@ -216,3 +217,36 @@ def health(url: str) -> int:
         return error.code
     except OSError:
         return 0
+
+
+def test_a_port_taken_after_it_was_drawn_restarts_the_cluster_on_new_ports(model_dir, tmp_path):
+    """Another process binds one of the drawn ports before the peer does (the CI failure at stop 34: a decode
+    peer's HTTP bind found its port in use). The peer exits at once (``PORT_TAKEN_EXIT``) and the cluster starts
+    again on newly drawn ports; with the HTTP ports kept (a user's ``--port``), a taken one is an error."""
+    spec = local_spec(1, 1)
+    taken = spec.peers[1].http_port
+    with socket.socket() as squatter:
+        squatter.bind((spec.peers[1].api_host, taken))
+        squatter.listen()
+        with LocalCluster(model_dir, spec, ENGINE, log_dir=tmp_path / "logs") as cluster:
+            assert cluster.spec.peers[1].http_port != taken
+            assert {p.name for p in cluster.spec.peers} == {p.name for p in spec.peers}
+            assert post(cluster.urls["decode-0"], "/v1/completions",
+                        completion(model_dir, rag_segments([31] * 8, documents(7, 2), [40]), max_tokens=2))[0] == 200
+        assert b"already in use" in (tmp_path / "logs" / "decode-0.log").read_bytes()
+        kept = LocalCluster(model_dir, spec, ENGINE, log_dir=tmp_path / "kept", keep_http_ports=True)
+        with pytest.raises(RuntimeError, match="decode-0 exited with 75") as raised:
+            kept.start()
+        assert not isinstance(raised.value, PortTaken) and not kept.processes
+
+
+def test_new_ports_are_drawn_for_every_listener_but_kept_http_ports():
+    spec = local_spec(2, 1)
+    redrawn = with_new_ports(spec, keep_http=False)
+    old = {port for p in spec.peers for port in (p.ctrl_port, p.raft_port, p.http_port)}
+    new = [port for p in redrawn.peers for port in (p.ctrl_port, p.raft_port, p.http_port)]
+    assert len(set(new)) == len(new) == 9 and [p.name for p in redrawn.peers] == [p.name for p in spec.peers]
+    assert len(old & set(new)) < 3  # drawn afresh (a few may repeat by chance)
+    kept = with_new_ports(spec, keep_http=True)
+    assert [p.http_port for p in kept.peers] == [p.http_port for p in spec.peers]
+    assert not {p.http_port for p in spec.peers} & {port for p in kept.peers for port in (p.ctrl_port, p.raft_port)}

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from nebula_engine.cluster.runtime.auth import SECRET_ENV, new_secret
 from nebula_engine.cluster.runtime.election import ETCD_PASSWORD_ENV
-from nebula_engine.cluster.runtime.spec import API_KEY_ENV, ClusterSpec, PeerSettings, PeerSpec
+from nebula_engine.cluster.runtime.spec import API_KEY_ENV, PORT_TAKEN_EXIT, ClusterSpec, PeerSettings, PeerSpec
 
 LOOPBACK = "127.0.0.1"
 
@@ -80,10 +80,34 @@ def local_spec(num_prefill: int, num_decode: int, host: str = LOOPBACK, port: in
                        observe_transfer_costs)
 
 
+def with_new_ports(spec: ClusterSpec, keep_http: bool) -> ClusterSpec:
+    """``spec`` with freshly drawn free ports for every peer's control and Raft listeners and, unless ``keep_http``,
+    its HTTP listener (as ``local_spec`` draws them)."""
+    kept_http = [p.http_port for p in spec.peers] if keep_http else []
+    internal = free_ports(2 * len(spec.peers), LOOPBACK, avoid=kept_http)
+    http = kept_http or free_ports(len(spec.peers), spec.peers[0].api_host, avoid=internal)
+    return replace(spec, peers=tuple(replace(p, ctrl_port=internal[2 * i], raft_port=internal[2 * i + 1],
+                                             http_port=http[i]) for i, p in enumerate(spec.peers)))
+
+
+class PortTaken(RuntimeError):
+    """A peer could not listen where its spec says: another process took the port after it was drawn."""
+
+
+PORT_TAKEN_LOG = b"address already in use"  # what uvicorn and zmq say when the port went between check and bind
+START_ATTEMPTS = 3
+
+
 class LocalCluster:
+    """Peers of ``spec`` as processes of this machine. Its ports are drawn free (``local_spec``), but another
+    process may take one before a peer binds it: a start that fails so stops every peer and starts again on newly
+    drawn ports (``START_ATTEMPTS`` in all), keeping the HTTP ports when ``keep_http_ports`` (a user's ``--port``:
+    then a taken one is an error). Read ``spec`` and ``urls`` after ``start``."""
+
     def __init__(self, model: str, spec: ClusterSpec, engine_options: dict | None = None,
                  served_model_name: str | None = None, log_dir: str | Path | None = None, log_level: str = "warning",
-                 settings: PeerSettings = PeerSettings(), torch_threads: int | None = None):
+                 settings: PeerSettings = PeerSettings(), torch_threads: int | None = None,
+                 keep_http_ports: bool = False):
         if spec.spans_machines:
             raise ValueError("a local cluster runs on this machine: every peer's host must be a loopback address")
         self.model = model
@@ -91,6 +115,7 @@ class LocalCluster:
         self.settings = settings if settings.cluster_secret else replace(settings, cluster_secret=new_secret())
         self.engine_options = engine_options or {}
         self.served_model_name = served_model_name or model
+        self.keep_http_ports = keep_http_ports
         self._tmp = tempfile.TemporaryDirectory(prefix="nebula-cluster-")
         self.log_dir = Path(log_dir or self._tmp.name)
         self.log_level = log_level
@@ -104,14 +129,22 @@ class LocalCluster:
     def start(self, timeout: float = 180.0) -> LocalCluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         spec_file = Path(self._tmp.name) / "cluster.json"
-        spec_file.write_text(self.spec.to_json())
-        try:
-            for peer in self.spec.peers:
-                self._spawn(peer.name, spec_file)
-            self.wait_ready(timeout)
-        except BaseException:
-            self.stop()  # never leave peers behind when the cluster does not come up
-            raise
+        for attempt in range(1, START_ATTEMPTS + 1):
+            spec_file.write_text(self.spec.to_json())
+            try:
+                for peer in self.spec.peers:
+                    self._spawn(peer.name, spec_file)
+                self.wait_ready(timeout)
+                return self
+            except PortTaken:
+                self._stop_peers()
+                if attempt == START_ATTEMPTS:
+                    self.stop()
+                    raise
+                self.spec = with_new_ports(self.spec, self.keep_http_ports)
+            except BaseException:
+                self.stop()  # never leave peers behind when the cluster does not come up
+                raise
         return self
 
     def _peer_options(self, name: str) -> dict:
@@ -163,17 +196,32 @@ class LocalCluster:
     def wait_ready(self, timeout: float = 180.0) -> None:
         """Every running peer answers /health (it knows a leader) and all agree on the leader."""
         def ready() -> bool:
+            for name in self.processes:  # every peer, before any is asked: one still starting must not hide an exit
+                if self.processes[name].poll() is not None:
+                    self._raise_exited(name)
             leaders = set()
             for name in self.processes:
-                if self.processes[name].poll() is not None:
-                    raise RuntimeError(f"peer {name} exited with {self.processes[name].returncode}; "
-                                       f"see {self.log_dir / (name + '.log')}")
                 state = self.state(name)
                 if not state.get("leader"):
                     return False
                 leaders.add(state["leader"])
             return len(leaders) == 1 and next(iter(leaders)) in self.processes
         self.wait_until(ready, timeout, "the cluster to be ready")
+
+    def _raise_exited(self, name: str) -> None:
+        """PortTaken when peer ``name`` exited because a port of its was taken (and not a kept HTTP port), else
+        RuntimeError; both name its log."""
+        code, log = self.processes[name].returncode, self.log_dir / f"{name}.log"
+        message = f"peer {name} exited with {code}; see {log}"
+        try:
+            tail = log.read_bytes()[-4096:].lower()
+        except OSError:
+            tail = b""
+        taken = code == PORT_TAKEN_EXIT or PORT_TAKEN_LOG in tail
+        http_port = str(self.spec.peer(name).http_port).encode()
+        if taken and not (self.keep_http_ports and http_port in tail):
+            raise PortTaken(message)
+        raise RuntimeError(message)
 
     def state(self, name: str) -> dict:
         """GET /cluster of one peer ({} while it does not answer)."""
@@ -222,9 +270,12 @@ class LocalCluster:
             process.kill()
             process.wait(10)
 
-    def stop(self) -> None:
+    def _stop_peers(self) -> None:
         for name in list(self.processes):
             self.stop_peer(name)
+
+    def stop(self) -> None:
+        self._stop_peers()
         self._tmp.cleanup()
 
     def __enter__(self) -> LocalCluster:

@@ -30,12 +30,13 @@ from nebula_engine.cluster.runtime.election import ETCD_PASSWORD_ENV, ElectionSp
 from nebula_engine.cluster.runtime.frontend import ClusterFrontend
 from nebula_engine.cluster.runtime.liveness import HEARTBEAT_S, Liveness
 from nebula_engine.cluster.runtime.router import RouterService
-from nebula_engine.cluster.runtime.spec import API_KEY_ENV, ClusterSpec, PeerSettings, check_secured
+from nebula_engine.cluster.runtime.spec import API_KEY_ENV, PORT_TAKEN_EXIT, ClusterSpec, PeerSettings, check_secured
 from nebula_engine.cluster.runtime.status import add_cluster_route
 from nebula_engine.cluster.runtime.transfer import KVTransferAgent, TransferError, confine_ucx_to
 from nebula_engine.cluster.runtime.transport import Messenger
 from nebula_engine.cluster.runtime.worker import WorkerService
 from nebula_engine.engine.cluster_port import EngineClusterPort
+from nebula_engine.ports import PortUnavailable, check_listen
 
 logger = logging.getLogger(__name__)
 
@@ -307,6 +308,13 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {args.name} %(levelname)s %(name)s: "
                                                               "%(message)s")
     spec = ClusterSpec.from_json(Path(args.spec).read_text())
+    try:
+        for host, port, kind in spec.listen_addresses(args.name):  # before the model loads: a taken port fails fast
+            check_listen(host, port, kind)
+    except PortUnavailable as error:
+        parser.exit(PORT_TAKEN_EXIT, f"peer {args.name}: {error}\n")
+    except ValueError as error:
+        parser.exit(2, f"peer {args.name}: {error}\n")
     try:
         peer = Peer(spec, args.name, json.loads(args.engine_options), args.model,
                     args.served_model_name or args.model, settings_from_args(args))

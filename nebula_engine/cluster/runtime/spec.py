@@ -24,6 +24,7 @@ from nebula_engine.server.limits import DEFAULT_MAX_REQUEST_BYTES
 logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "NEBULA_API_KEY"
+PORT_TAKEN_EXIT = 75  # a peer process's exit status when one of its listen addresses is taken (EX_TEMPFAIL)
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,13 @@ class ClusterSpec:
     def spans_machines(self) -> bool:
         """Some peer's internal listeners are on an address other machines can reach."""
         return not all(is_loopback(p.host) for p in self.peers)
+
+    def listen_addresses(self, name: str) -> list[tuple[str, int, str]]:
+        """(host, port, which field) of every listener peer ``name`` opens: HTTP, the control channel and, without
+        etcd, Raft."""
+        peer = self.peer(name)
+        kinds = ("http_port", "ctrl_port") if self.etcd else ("http_port", "ctrl_port", "raft_port")
+        return [(peer.api_host if kind == "http_port" else peer.host, getattr(peer, kind), kind) for kind in kinds]
 
     def peer(self, name: str) -> PeerSpec:
         for spec in self.peers:
