@@ -121,6 +121,7 @@ class LocalCluster:
         self.log_level = log_level
         self.torch_threads = torch_threads  # intra-op threads of each peer's torch (None: torch's default)
         self.processes: dict[str, subprocess.Popen] = {}
+        self._log_starts: dict[str, int] = {}
 
     @property
     def urls(self) -> dict[str, str]:
@@ -163,6 +164,7 @@ class LocalCluster:
 
     def _spawn(self, name: str, spec_file: Path) -> None:
         log = open(self.log_dir / f"{name}.log", "ab")
+        self._log_starts[name] = log.tell()  # a restarted peer's earlier output is not its reason to exit
         command = [sys.executable, "-m", "nebula_engine.cluster.runtime.peer", "--spec", str(spec_file), "--name", name,
                    "--model", self.model, "--served-model-name", self.served_model_name,
                    "--engine-options", json.dumps(self._peer_options(name)), "--log-level", self.log_level,
@@ -214,12 +216,13 @@ class LocalCluster:
         code, log = self.processes[name].returncode, self.log_dir / f"{name}.log"
         message = f"peer {name} exited with {code}; see {log}"
         try:
-            tail = log.read_bytes()[-4096:].lower()
+            output = log.read_bytes()[self._log_starts.get(name, 0):][-4096:].lower()
         except OSError:
-            tail = b""
-        taken = code == PORT_TAKEN_EXIT or PORT_TAKEN_LOG in tail
-        http_port = str(self.spec.peer(name).http_port).encode()
-        if taken and not (self.keep_http_ports and http_port in tail):
+            output = b""
+        taken = code == PORT_TAKEN_EXIT or PORT_TAKEN_LOG in output
+        # the peer's own check names the field; uvicorn, which binds only the HTTP port, says where it binds
+        http_taken = b"another http_port" in output or b"error while attempting to bind" in output
+        if taken and not (self.keep_http_ports and http_taken):
             raise PortTaken(message)
         raise RuntimeError(message)
 
