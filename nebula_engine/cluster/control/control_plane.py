@@ -12,7 +12,7 @@ from nebula_engine.cluster.control.config import ClusterConfig
 from nebula_engine.cluster.control.messages import (Action, CacheKind, PrefillPlan, PrefixPlan, SegmentPlan, Tier,
                                             WorkerEvent)
 from nebula_engine.cluster.control.planner import Hit, TransferCosts, hit_source, readable_copies
-from nebula_engine.cluster.control.policies import make_policy, view_config
+from nebula_engine.cluster.control.policies import NebulaPolicy, make_policy, view_config
 from nebula_engine.cluster.control.request_keys import RequestKeys
 from nebula_engine.cluster.control.view import ClusterView
 
@@ -94,12 +94,7 @@ class ControlPlane:
         """``nebula``: per PIC content past the prefix, the copies ``home`` reads (``readable_copies``)."""
         if self.policy.name != "nebula":
             return {}
-        holders, length = {}, {}
-        for index in keys.pic_indices:
-            key = keys.content_ids[index]
-            if index >= depth and key not in holders:
-                holders[key] = tuple((w, r.tier) for w, r in sorted(self.view.holders(CacheKind.PIC, key, now).items()))
-                length[key] = keys.tokens[index]
+        holders, length = NebulaPolicy.copies_past(keys, self.view, depth, now)
         return readable_copies(holders, length, home, self.costs)
 
     def on_event(self, event: WorkerEvent, now: float) -> bool:

@@ -214,7 +214,7 @@ def hit_source(hit: Hit, home: int, costs: TransferCosts) -> int:
 
 
 def readable_copies(holders: dict[K, tuple[tuple[int, Tier], ...]], length: dict[K, int], home: int,
-                    costs: TransferCosts, slack: float = 0.0) -> dict[K, tuple[tuple[int, Tier], ...]]:
+                    costs: TransferCosts) -> dict[K, tuple[tuple[int, Tier], ...]]:
     """Per segment (``holders``: its copies; ``length``: its tokens), the copies a combine at ``home`` reads rather
     than recomputes. A copy must cost less per token to load and move there than recomputing it (§7.2's d(w -> c)
     plus the tier's read cost), and a source worker must save, over every copy the home reads from it (``hit_source``
@@ -232,7 +232,7 @@ def readable_copies(holders: dict[K, tuple[tuple[int, Tier], ...]], length: dict
                 src = hit_source(Hit(length[key], copies), home, costs)
                 tier = next(t for w, t in copies if w == src)
                 saved[src] = saved.get(src, 0.0) + length[key] * (1.0 - costs.copy_cost(tier, src, home))
-        dropped = {src for src, tokens in saved.items() if not costs.latency[home][src] - slack < tokens}
+        dropped = {src for src, tokens in saved.items() if not costs.latency[home][src] < tokens}
         if not dropped:
             return kept
         kept = {key: tuple(c for c in copies if c[0] not in dropped) for key, copies in kept.items()}

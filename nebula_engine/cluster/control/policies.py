@@ -110,16 +110,10 @@ class NebulaPolicy(Policy):
         depths = view.prefix_matches(keys.pc_keys, now)
         depth = max(depths.values(), default=0)
         prefix_holders = tuple((w, Tier.DEVICE) for w, d in sorted(depths.items()) if d == depth)
-        holders = {}  # first copy of each PIC content past the prefix -> its live holders
-        for i in keys.pic_indices:
-            if i >= depth and keys.content_ids[i] not in holders:
-                holders[keys.content_ids[i]] = self._holders(view, keys.content_ids[i], now)
+        holders, length = self.copies_past(keys, view, depth, now)
         up = [w for w, queue in enumerate(view.outstanding()) if queue < math.inf]
         if not up:
             raise ValueError(NO_WORKER_UP)
-        length = {}  # tokens of each PIC content
-        for i in keys.pic_indices:
-            length.setdefault(keys.content_ids[i], keys.tokens[i])
         readable = {home: readable_copies(holders, length, home, self.costs) for home in up}
         if all(copies == holders for copies in readable.values()):  # every copy pays: Algorithm 1 over all homes
             problem, hit_index, cold_index = self._problem(keys, view, depth, prefix_holders, holders)
@@ -144,8 +138,17 @@ class NebulaPolicy(Policy):
         return break_tie(ties, lambda tie: tie[3].home, ties[0][0].outstanding, self.rng)
 
     @staticmethod
-    def _holders(view: ClusterView, key: str, now: float) -> tuple[tuple[int, Tier], ...]:
-        return tuple((w, r.tier) for w, r in sorted(view.holders(CacheKind.PIC, key, now).items()))
+    def copies_past(keys: RequestKeys, view: ClusterView, depth: int, now: float) -> tuple[dict, dict]:
+        """Per PIC content past the prefix hit (its first occurrence): its live copies (worker, tier), by worker,
+        and its tokens."""
+        holders, length = {}, {}
+        for i in keys.pic_indices:
+            content = keys.content_ids[i]
+            if i >= depth and content not in holders:
+                copies = sorted(view.holders(CacheKind.PIC, content, now).items())
+                holders[content] = tuple((w, record.tier) for w, record in copies)
+                length[content] = keys.tokens[i]
+        return holders, length
 
     def combine_cost(self, keys: RequestKeys, depth: int) -> float:
         """C of §7.2 in prefill tokens: the regular tokens past the prefix, plus the backend's combine cost of
