@@ -244,16 +244,25 @@ class EngineClusterPort:
     async def unpin_prefix(self, pin: PrefixPin) -> None:
         await self._call_cache(lambda e: e.cache_store.radix.dec_lock_ref(pin.node))
 
-    async def import_prefix(self, token_ids: list[int], pages: list[int]) -> None:
-        """Cache ``pages`` (from ``allocate_pages``, K/V written) as the prefix ``token_ids`` starts with, one page
-        per ``page_size`` tokens; the pages pass to the prefix cache."""
-        def insert(engine: LLMEngine) -> None:
-            store = engine.cache_store
-            last = store.insert_prefix(store.radix.root, token_ids[:len(pages) * self.page_size], pages)  # locked
+    async def import_prefix(self, token_ids: list[int], pages: list[int], after_pages: int = 0) -> bool:
+        """Cache ``pages`` (from ``allocate_pages``, K/V written) as the pages of ``token_ids`` that follow its first
+        ``after_pages`` pages, which the prefix cache holds, one page per ``page_size`` tokens; the pages pass to the
+        prefix cache. False (the pages released) when those leading pages are no longer all cached."""
+        def insert(engine: LLMEngine) -> bool:
+            store, start = engine.cache_store, after_pages * self.page_size
+            node = store.radix.root
+            if after_pages:
+                match = store.radix.match_prefix(token_ids[:start])
+                if len(match.pages) < after_pages:  # evicted since the caller looked
+                    store.pool.release(pages)
+                    return False
+                node = match.last_node
+            last = store.insert_prefix(node, token_ids[start:start + len(pages) * self.page_size], pages)  # locked
             store.radix.dec_lock_ref(last)
             store.pool.release(pages)  # the tree holds its own reference to the pages it kept
+            return True
 
-        await self._call_cache(insert)
+        return await self._call_cache(insert)
 
     async def cached_prefix_hashes(self, token_ids: list[int], page_counts: list[int]) -> list[str]:
         """For each count in ``page_counts`` (ascending), the block hash of the last of that many leading pages

@@ -312,3 +312,29 @@ def test_a_hybrid_model_decodes_on_the_decode_peer_exactly_as_on_one_engine(chec
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     [local] = LLM(model, **ENGINE).generate({"prompt_token_ids": prompt}, params)
     assert handed["choices"][0]["text"] == local.outputs[0].text
+
+
+def test_a_lead_prefilled_on_another_peer_is_read_by_the_home_and_answers_as_one_engine(cluster, model_dir):
+    """A new system prompt (40 tokens, the request's largest piece) before one new document: the planner gives
+    the lead to the peer that is not the home (each holds the same, empty, prefix), the home reads its pages and
+    computes the document meanwhile. The lead's KV is exact, so the answer is one engine's; it was prefilled for
+    this request, so it is no cache hit."""
+    names = ("prefill-0", "prefill-1")
+    before = {name: cluster.state(name) for name in names}
+    segments = rag_segments(list(range(400, 440)), documents(seed=5, count=1), [41, 42, 43])
+    status, body = post(cluster.urls["decode-0"], "/v1/completions", completion(model_dir, segments))
+    assert status == 200, body
+    after = {name: cluster.state(name) for name in names}
+    grown = {name: after[name]["leads_for_others"] - before[name]["leads_for_others"] for name in names}
+    assert sorted(grown.values()) == [0, 1], grown
+    helper = next(name for name in names if grown[name])
+    home = next(name for name in names if name != helper)
+    assert after[helper]["lead_tokens_prefilled"] - before[helper]["lead_tokens_prefilled"] == 40
+    assert after[home]["lead_tokens_prefilled"] == before[home]["lead_tokens_prefilled"]  # read, not prefilled
+    assert after[home]["transfer_bytes"] > before[home]["transfer_bytes"]
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+    llm = LLM(model_dir, **ENGINE)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    local = llm.generate({"segments": [(s["kind"], s["token_ids"]) for s in segments]}, params)[0]
+    assert body["choices"][0]["text"] == local.outputs[0].text

@@ -236,6 +236,30 @@ def test_a_pinned_prefix_copied_into_fresh_pages_is_a_prefix_hit_on_the_reader(p
     assert run(port.pin_prefix(segment(900))) is None
 
 
+def test_a_reader_imports_only_the_prefix_pages_past_those_it_holds(port, engine):
+    """A home holding a prompt's first pages reads the rest of a longer prefix (a lead another peer prefilled) and
+    caches them after its own; if its own pages went meanwhile, the read pages are released, not cached."""
+    shared, lead = segment(1500, 2 * PAGE), segment(1600, 3 * PAGE)
+    pool = engine.engine.cache_store.pool
+
+    async def round_trip(reader_prompt: list[int]):
+        async for _ in engine.generate("lead-source", shared + lead, SamplingParams(max_tokens=1)):
+            pass
+        pin = await port.pin_prefix(shared + lead)
+        pages = await port.allocate_pages(len(pin.pages) - 2)
+        copy_pages(port, pin.pages[2:], pages)
+        await port.unpin_prefix(pin)
+        free = pool.num_free_pages
+        imported = await port.import_prefix(reader_prompt, pages, 2)
+        return imported, await port.cached_prefix_pages(reader_prompt), pool.num_free_pages - free
+
+    run(port.prefill_prefix("reader-shared", shared))
+    reader = shared + segment(1700, 3 * PAGE)  # shares two pages with the source prompt, then differs
+    assert run(round_trip(reader)) == (True, 5, 0)  # the three pages now belong to the reader's prefix cache
+    stranger = segment(1800, 2 * PAGE) + segment(1700, 3 * PAGE)  # its first two pages are cached nowhere
+    assert run(round_trip(stranger)) == (False, 0, 3)  # released
+
+
 def test_a_prefilled_lead_enters_the_prefix_cache_and_reports_what_it_held_before(port):
     """A home prefills a waiting combine's lead exactly; the combine then finds it as a prefix hit, and counts as
     hits only the pages that were cached before."""
@@ -256,6 +280,7 @@ def test_a_snapshot_lists_every_pic_entry_on_the_device(port):
 
 
 def test_stats_profile_and_pc_share(port, engine):
+    run(port.prefill_segment("epic", segment(1950)))  # a miss of its own, whichever tests ran before on this engine
     stats = run(port.pic_stats())
     assert stats["segment_misses"] >= 1 and set(stats) >= {"segment_hits", "segment_skipped", "combines"}
     assert port.stats().alive

@@ -43,6 +43,23 @@ def test_a_measured_profile_file_is_read(tmp_path):
     assert json.loads(result.output)["profile"] == "measured-here"
 
 
+def test_a_local_clusters_profile_is_refused_with_the_reason(tmp_path):
+    """A profile that says a waiting home prefills the lead apart (a local cluster's engines) plans leads the
+    simulator does not model: a CLI error, and ValueError from the simulator itself."""
+    from dataclasses import replace
+
+    from nebula_engine.cluster.control.config import ClusterConfig, ClusterProfile
+    from nebula_engine.cluster.sim.simulator import SimulationConfig, Simulator
+
+    profile = replace(ClusterProfile.load(), name="local-cpu", lead_while_waiting=True)
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile.to_dict()))
+    result = run("--data", str(BUNDLED_DIR), "--limit", "20", "--profile", str(path))
+    assert result.exit_code == 2 and "--profile" in result.output and "lead_while_waiting" in result.output
+    with pytest.raises(ValueError, match="lead_while_waiting"):
+        Simulator(SimulationConfig(cluster=ClusterConfig(num_prefill_workers=2, profile=profile)), [])
+
+
 def test_text_report_names_the_settings():
     result = run("--data", str(BUNDLED_DIR), "--limit", "30", "--policy", "pc")
     assert result.exit_code == 0, result.output

@@ -6,7 +6,8 @@ import pytest
 from builders import rag_requests, request
 from nebula_engine.cluster.control.config import ClusterConfig
 from nebula_engine.cluster.control.control_plane import ControlPlane
-from nebula_engine.cluster.control.messages import Action, CacheKind, StoreEvent, Tier
+from nebula_engine.cluster.control.messages import (Action, CacheKind, DoneEvent, LeadPlan, PrefixPlan, StoreEvent,
+                                                    Tier)
 from nebula_engine.cluster.control.planner import Hit, PlanningProblem, TransferCosts
 from nebula_engine.cluster.control.policies import POLICIES, default_cache, make_policy, view_config
 from nebula_engine.cluster.control.request_keys import RequestKeys
@@ -198,6 +199,56 @@ def test_the_lead_a_waiting_home_prefills_is_planned_as_its_own_work():
         assert [(s.action, s.worker) for s in plan.segments if s.key == "doc"] == [(Action.COMPUTE, doc_worker)]
         assert plane.policy.lead(keys, 0) == (400.0 if lead_while_waiting else 0.0)
         assert plane.policy.lead(keys, 1) == 0.0  # a prefix hit through the lead leaves nothing to prefill
+
+
+def lead_plane(prefix_holders: tuple[int, ...], lead_while_waiting: bool = True) -> ControlPlane:
+    """Two workers; worker 0 holds a big document (so it is the home), ``prefix_holders`` the system prompt."""
+    costs = TransferCosts([[0.0, 0.01], [0.01, 0.0]], latency=[[0.0, 20.0], [20.0, 0.0]], combine_queues=True,
+                          lead_while_waiting=lead_while_waiting)
+    plane = ControlPlane(ClusterConfig(num_prefill_workers=2), "nebula", costs=costs)
+    plane.on_event(StoreEvent(0, 1, CacheKind.PIC, ("big",), 1000), now=0.0)
+    for worker in prefix_holders:
+        plane.on_event(StoreEvent(worker, 2, CacheKind.PC, (LEAD_KEYS.pc_keys[0],), 100), now=0.0)
+    return plane
+
+
+LEAD_KEYS = RequestKeys.of(request("r", ("P", "sys", 100), ("R", "lead", 400), ("I", "big", 1000),
+                                   ("I", "doc", 50), ("R", "q", 5)))
+
+
+def test_a_lead_is_prefilled_by_an_idle_worker_that_holds_its_prefix():
+    """The lead (400 regular tokens past the cached system prompt, before the documents) is exact KV that any worker
+    holding the same prefix computes alike: planned like a cold segment, it goes to idle worker 1 (the home reads
+    its pages), and the home's reservation is the combine without it."""
+    plane = lead_plane(prefix_holders=(0, 1))
+    plan = plane.on_request(LEAD_KEYS, now=1.0).plan
+    assert plan.combine_home == 0 and plan.prefix == PrefixPlan(0, 1, 100)
+    assert plan.lead == LeadPlan(1, 400, "r/lead")
+    combine = plane.policy.combine_cost(LEAD_KEYS, 1)
+    assert plan.combine_tokens == pytest.approx(combine - 400)
+    assert [(s.key, s.action, s.worker) for s in plan.segments] == [("big", Action.REUSE, 0),
+                                                                     ("doc", Action.COMPUTE, 0)]
+    assert plane.view.outstanding() == [pytest.approx(50 + combine - 400), 400.0]
+    plane.on_event(DoneEvent(1, 3, "r/lead"), now=1.5)
+    assert plane.view.outstanding()[1] == 0.0
+
+
+@pytest.mark.parametrize("prefix_holders, lead_while_waiting", [((0,), True), ((0, 1), False)],
+                         ids=["helper-lacks-the-prefix", "paper-model"])
+def test_a_lead_stays_home_where_no_helper_can_compute_it_alike(prefix_holders, lead_while_waiting):
+    """Worker 1 without the system prompt would prefill it too, so the lead stays with the home (and in its
+    reservation); in the paper's model the lead is part of the combine."""
+    plane = lead_plane(prefix_holders, lead_while_waiting)
+    plan = plane.on_request(LEAD_KEYS, now=1.0).plan
+    assert plan.lead is None
+    assert plan.combine_tokens == pytest.approx(plane.policy.combine_cost(LEAD_KEYS, 1))
+
+
+def test_a_lead_stays_home_when_the_helper_is_busier():
+    plane = lead_plane(prefix_holders=(0, 1))
+    plane.view.reserve("earlier", 1, 2000.0)
+    plan = plane.on_request(LEAD_KEYS, now=1.0).plan
+    assert plan.combine_home == 0 and plan.lead is None
 
 
 def test_a_segment_not_worth_reading_still_draws_the_request_to_the_worker_that_holds_it():

@@ -9,6 +9,7 @@ import pytest
 from nebula_engine.cluster.runtime import wire
 from nebula_engine.cluster.control.config import ClusterConfig
 from nebula_engine.cluster.control.messages import CacheKind, DoneEvent, EvictEvent, MoveEvent, StoreEvent, Tier
+from nebula_engine.cluster.control.request_keys import block_segments, prompt_keys
 from nebula_engine.cluster.runtime.router import RouterService
 
 
@@ -224,3 +225,31 @@ def test_a_faster_prefill_timing_converts_transfer_seconds_into_more_prefill_tok
     service.deactivate()
     service.activate()  # a router that leads again plans with the fastest timing it has seen
     assert service.control.costs.latency[0][1] == pytest.approx(2 * latency_tokens)
+
+
+def test_a_lead_planned_on_another_peer_is_prefilled_there_and_read_as_the_homes_prefix():
+    """With a local cluster's engines (``lead_while_waiting``), the regular tokens before the first PIC segment may
+    go to a peer that holds the same prefix (here: none, as nothing is cached): it gets them in a ``ScatterLead``,
+    and the home reads them from it as its prefix, told that they were prefilled for the request (no cache hit)."""
+    sent: list[tuple[str, wire.Msg]] = []
+    config = ClusterConfig(num_prefill_workers=2)
+    config = config.with_profile(lead_while_waiting=True, combine_queues=True)
+    service = RouterService("prefill-0", ["prefill-0", "prefill-1"], ["decode-0"], config, "nebula",
+                            lambda peer, msg: sent.append((peer, msg)), lambda spec, ids: f"pic-{ids[0]}",
+                            clock=Clock())
+    service.activate()
+    system, doc, question = list(range(100, 700)), [7] * 300, [9, 9]
+    tokens = system + doc + question
+    segments = [wire.Segment("regular", 0, 600), wire.Segment("pic", 600, 300), wire.Segment("regular", 900, 2)]
+    service.on_submit(wire.Submit(sender="decode-0", request_id="r", attempt=0, token_ids=tokens, segments=segments,
+                                  params=wire.Params(fields={"max_tokens": 4}), pic_backend=""))
+    (helper, lead), = [(peer, m) for peer, m in sent if isinstance(m, wire.ScatterLead)]
+    home, combine = next((peer, m) for peer, m in sent if isinstance(m, wire.Combine))
+    assert helper != home and lead.token_ids == system and lead.task_id == "r#0/lead"
+    assert combine.prefix_peer == helper and combine.prefix_tokens == 600 and combine.prefix_fresh
+    assert combine.compute_here == [0]  # the document is the home's, prefilled while the lead is
+    assert lead.task_id in service.in_flight["r"].tasks
+    # the router keys the system prompt in blocks of 256 tokens: a later prompt sharing its start shares those keys
+    view = service.control.view
+    assert view.prefix_matches(prompt_keys("x", block_segments([("regular", system[:512] + [1] * 88)]),
+                                           str).pc_keys, 100.0) == {service.prefill_peers.index(home): 2}

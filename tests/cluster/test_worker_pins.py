@@ -52,7 +52,7 @@ def test_a_late_prefix_pin_reply_is_answered_with_an_unpin_and_a_refusal_with_no
                            pic_backend=None, sources=[], local_task_ids=[], decode_peer="", prefix_peer="holder",
                            prefix_tokens=32)
 
-    assert asyncio.run(worker._fetch_prefix(combine)) is False
+    assert asyncio.run(worker._fetch_prefix(combine)) is None
     (_, pin), = sent
     assert isinstance(pin, wire.PinPrefix) and len(pin.token_ids) == 32
     worker.on_pin_reply(wire.PinReply(sender="holder", tag=pin.tag, ok=True, pages=list(range(8))))
@@ -97,3 +97,28 @@ def test_the_agent_progresses_fast_only_while_a_peer_holds_a_pin(engine):
     assert all(reply.ok for _, reply in sent)
     assert after_pins[0] is False and after_pins[-1] is True  # idle from the start; fast once a peer may read
     assert agent.expected[-1] is False  # every pin released: idle again
+
+
+def test_a_prefix_pin_waits_for_the_lead_prefilled_here_for_its_reader(engine):
+    """A ``ScatterLead`` prefills a prompt's lead here for another peer's combine; that peer's pin of the prefix,
+    arriving while the lead is still in the engine, is answered once the lead's pages are cached (all of them),
+    and the lead's task is reported done."""
+    port, sent, reports = EngineClusterPort(engine), [], []
+    worker = WorkerService("me", "prefill", 0, port, agent=None, send=lambda peer, msg: sent.append((peer, msg)),
+                           leader=lambda: "me", pic_key=lambda spec, ids: "key",
+                           liveness=Liveness("me", ["me", "home"], dead_after_s=3.0))
+    worker.local_router = reports.append
+    prompt_start = list(range(600, 618))  # four full pages and two tokens before the prompt's first PIC segment
+    scatter = wire.ScatterLead(sender="router", task_id="r#0/lead", request_id="r", token_ids=prompt_start)
+    pin = wire.PinPrefix(sender="home", tag="home/1", token_ids=prompt_start[:16])
+
+    async def lead_and_pin():
+        await asyncio.gather(worker.on_scatter_lead(scatter), worker.on_pin_prefix(pin))
+        await worker.on_unpin_prefix(wire.UnpinPrefix(sender="home", tag="home/1"))
+
+    asyncio.run(lead_and_pin())
+    (peer, reply), = sent
+    assert peer == "home" and reply.ok and len(reply.pages) == 4
+    assert worker.lead_tokens_prefilled == 16
+    assert [m.task_id for m in reports if isinstance(m, wire.TaskDone)] == ["r#0/lead"]
+    assert not worker._pinned_prefixes

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from nebula_engine.kvcache.events import CacheEvent, CacheKind, EvictEvent, MoveEvent, StoreEvent, Tier
 
-__all__ = ["Action", "CacheEvent", "CacheKind", "DoneEvent", "EvictEvent", "MoveEvent", "PrefillPlan", "PrefixPlan",
-           "SegmentPlan", "StoreEvent", "Tier", "WorkerEvent"]
+__all__ = ["Action", "CacheEvent", "CacheKind", "DoneEvent", "EvictEvent", "LeadPlan", "MoveEvent", "PrefillPlan",
+           "PrefixPlan", "SegmentPlan", "StoreEvent", "Tier", "WorkerEvent"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,16 @@ class PrefixPlan:
 
 
 @dataclass(frozen=True)
+class LeadPlan:
+    """The prompt's lead (its regular tokens between the prefix hit and the first PIC segment) prefilled exactly on
+    ``worker``, which holds the same prefix, for the home to read as prefix pages."""
+
+    worker: int
+    num_tokens: int
+    task_id: str
+
+
+@dataclass(frozen=True)
 class PrefillPlan:
     """Where each piece of one request's prefill happens.
 
@@ -72,3 +82,4 @@ class PrefillPlan:
     pc_keys: tuple[str, ...]
     segment_tokens: tuple[int, ...]  # tokens of every request segment, in order
     estimate: float = 0.0  # planner's completion-time estimate, prefill-token units
+    lead: LeadPlan | None = None  # set when another worker prefills the lead; else the home does (in the combine)

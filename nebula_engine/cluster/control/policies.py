@@ -14,8 +14,8 @@ from abc import ABC, abstractmethod
 from dataclasses import replace
 
 from nebula_engine.cluster.control.config import ClusterConfig, ViewConfig
-from nebula_engine.cluster.control.messages import (Action, CacheKind, PrefillPlan, PrefixPlan, SegmentPlan,
-                                            Tier)
+from nebula_engine.cluster.control.messages import (Action, CacheKind, LeadPlan, PrefillPlan, PrefixPlan,
+                                                    SegmentPlan, Tier)
 from nebula_engine.cluster.control.planner import (NO_WORKER_UP, Hit, PlanningProblem, TransferCosts, break_tie,
                                                    readable_copies)
 from nebula_engine.cluster.control.request_keys import RequestKeys
@@ -45,11 +45,12 @@ class Policy(ABC):
         self.costs = costs
 
     def _build(self, keys: RequestKeys, home: int, prefix: PrefixPlan | None,
-               segments: tuple[SegmentPlan, ...], combine_tokens: float, estimate: float = 0.0):
+               segments: tuple[SegmentPlan, ...], combine_tokens: float, estimate: float = 0.0,
+               lead: LeadPlan | None = None):
         return PrefillPlan(request_id=keys.request_id, combine_home=home,
                            combine_task_id=f"{keys.request_id}/combine", combine_tokens=combine_tokens,
                            prefix=prefix, segments=segments, pc_keys=keys.pc_keys,
-                           segment_tokens=keys.tokens, estimate=estimate)
+                           segment_tokens=keys.tokens, estimate=estimate, lead=lead)
 
 
 class PrefixAwarePolicy(Policy):
@@ -91,8 +92,15 @@ class LocalPicPolicy(PrefixAwarePolicy):
         return self._build(keys, home, prefix, segments, keys.total_tokens - keys.prefix_tokens(depth))
 
 
+LEAD_INDEX = -2  # the lead's place among a problem's cold items (-1 marks the prefix among its hits)
+
+
 class NebulaPolicy(Policy):
-    """Remote PIC reuse + parallel prefill: the scheduler places every piece of the request."""
+    """Remote PIC reuse + parallel prefill: the scheduler places every piece of the request.
+
+    With ``TransferCosts.lead_while_waiting``, the prompt's lead (``lead``) is the home's own work, or, when every
+    worker up holds the prefix hit, a cold item like a PIC segment: a helper then prefills it exactly after that
+    prefix and the home reads its pages (``PrefillPlan.lead``)."""
 
     name = "nebula"
 
@@ -114,22 +122,26 @@ class NebulaPolicy(Policy):
         up = [w for w, queue in enumerate(view.outstanding()) if queue < math.inf]
         if not up:
             raise ValueError(NO_WORKER_UP)
+        # the lead moves only where its prefix is: a helper without it would prefill the prefix too
+        lead_movable = all(depths.get(w, 0) == depth for w in up)
         readable = {home: readable_copies(holders, length, home, self.costs) for home in up}
         if all(copies == holders for copies in readable.values()):  # every copy pays: Algorithm 1 over all homes
-            problem, hit_index, cold_index = self._problem(keys, view, depth, prefix_holders, holders)
+            problem, hit_index, cold_index = self._problem(keys, view, depth, prefix_holders, holders, lead_movable)
             placed = self.scheduler.place(problem)
         else:
-            problem, hit_index, cold_index, placed = self._best_home(keys, view, depth, prefix_holders, readable)
+            problem, hit_index, cold_index, placed = self._best_home(keys, view, depth, prefix_holders, readable,
+                                                                     lead_movable)
         plan = self._to_plan(keys, placed, problem, hit_index, cold_index, depth)
         return self._with_repeats(plan, keys, depth)
 
-    def _best_home(self, keys, view, depth, prefix_holders, readable):
+    def _best_home(self, keys, view, depth, prefix_holders, readable, lead_movable):
         """Plan once per home with the hits that home would read, and keep the lowest estimate (ties: the least
         loaded homes, then the seeded RNG, as the planner breaks them). A copy's worth depends on the home, so one
         problem cannot hold it."""
         best, ties = math.inf, []
         for home in sorted(readable):
-            problem, hit_index, cold_index = self._problem(keys, view, depth, prefix_holders, readable[home])
+            problem, hit_index, cold_index = self._problem(keys, view, depth, prefix_holders, readable[home],
+                                                           lead_movable)
             placed = self.scheduler.place(problem, homes=(home,))
             if placed.estimate < best:
                 best, ties = placed.estimate, [(problem, hit_index, cold_index, placed)]
@@ -159,13 +171,13 @@ class NebulaPolicy(Policy):
     def lead(self, keys: RequestKeys, depth: int) -> float:
         """The prompt's lead in prefill tokens when the home prefills it while it waits for remote KV
         (``TransferCosts.lead_while_waiting``; else 0): the regular tokens past the prefix hit before the first PIC
-        segment. None of them is cached anywhere, so every home computes them."""
+        segment. None of them is cached anywhere (the hit is the deepest), so some worker computes them."""
         first_pic = keys.pic_indices[0] if keys.pic_indices else 0
         if not self.costs.lead_while_waiting or first_pic <= depth:
             return 0.0
         return float(keys.prefix_tokens(first_pic) - keys.prefix_tokens(depth))
 
-    def _problem(self, keys, view, depth, prefix_holders, holders):
+    def _problem(self, keys, view, depth, prefix_holders, holders, lead_movable=False):
         hits, hit_index, cold, cold_index = [], [], [], []
         if depth:
             hits.append(Hit(keys.prefix_tokens(depth), prefix_holders))
@@ -182,8 +194,12 @@ class NebulaPolicy(Policy):
             else:
                 cold.append(keys.tokens[i])
                 cold_index.append(i)
-        problem = PlanningProblem(tuple(hits), tuple(cold), tuple(view.outstanding()), self.combine_cost(keys, depth),
-                                  self.lead(keys, depth))
+        combine, lead = self.combine_cost(keys, depth), self.lead(keys, depth)
+        if lead and lead_movable:  # placed like a cold segment; the combine computes what follows it
+            cold.append(int(lead))
+            cold_index.append(LEAD_INDEX)
+            combine, lead = combine - lead, 0.0
+        problem = PlanningProblem(tuple(hits), tuple(cold), tuple(view.outstanding()), combine, lead)
         return problem, hit_index, cold_index
 
     def _to_plan(self, keys, placed, problem, hit_index, cold_index, depth) -> PrefillPlan:
@@ -195,11 +211,17 @@ class NebulaPolicy(Policy):
             else:
                 segments.append(SegmentPlan(index, keys.content_ids[index], keys.tokens[index], src,
                                             Action.REUSE, tier=tier))
-        for index, worker in zip(cold_index, placed.cold_workers):
-            segments.append(SegmentPlan(index, keys.content_ids[index], keys.tokens[index], worker,
-                                        Action.COMPUTE, task_id=f"{keys.request_id}/s{index}"))
+        lead, combine_tokens = None, problem.combine_cost
+        for index, worker, tokens in zip(cold_index, placed.cold_workers, problem.cold):
+            if index == LEAD_INDEX and worker == home:
+                combine_tokens += tokens  # the home prefills it: in the combine, or while it waits for remote KV
+            elif index == LEAD_INDEX:
+                lead = LeadPlan(worker, tokens, f"{keys.request_id}/lead")
+            else:
+                segments.append(SegmentPlan(index, keys.content_ids[index], keys.tokens[index], worker,
+                                            Action.COMPUTE, task_id=f"{keys.request_id}/s{index}"))
         segments.sort(key=lambda s: s.index)
-        return self._build(keys, home, prefix, tuple(segments), problem.combine_cost, placed.estimate)
+        return self._build(keys, home, prefix, tuple(segments), combine_tokens, placed.estimate, lead)
 
 
     @staticmethod

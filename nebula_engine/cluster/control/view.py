@@ -140,6 +140,8 @@ class ClusterView:
                 self.reserve(seg.task_id, seg.worker, seg.num_tokens)
             if self.config.record_on_dispatch and seg.action is not Action.LOCAL:
                 self._expect(CacheKind.PIC, seg.key, seg.worker, seg.num_tokens, now)
+        if plan.lead is not None:
+            self.reserve(plan.lead.task_id, plan.lead.worker, plan.lead.num_tokens)
         self.reserve(plan.combine_task_id, plan.combine_home, plan.combine_tokens)
         if self.config.record_on_dispatch:
             for key, tokens in zip(plan.pc_keys, plan.segment_tokens):

@@ -22,8 +22,8 @@ class ClusterCollector:
         failed = CounterMetricFamily("nebula_kv_transfer_failures", "KV reads that failed and were recomputed")
         failed.add_metric([], self.worker.transfer_failures)
         yield failed
-        leads = CounterMetricFamily("nebula_lead_tokens_prefilled",
-                                    "Prompt tokens before the first PIC segment prefilled while combines waited for KV")
+        leads = CounterMetricFamily("nebula_lead_tokens_prefilled", "Prompt tokens before the first PIC segment "
+                                    "prefilled while combines waited for KV, here or for another peer")
         leads.add_metric([], self.worker.lead_tokens_prefilled)
         yield leads
         evictions = CounterMetricFamily("nebula_cache_evictions", "Cache entries evicted from the device",

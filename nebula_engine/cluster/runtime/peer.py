@@ -137,6 +137,8 @@ class Peer:
                 self.frontend.on_not_leader(msg)
             case wire.Scatter():
                 spawn(self.worker.on_scatter(msg))
+            case wire.ScatterLead():
+                spawn(self.worker.on_scatter_lead(msg))
             case wire.Combine():
                 spawn(self.worker.on_combine(msg))
             case wire.SnapshotRequest():

@@ -1,13 +1,16 @@
 """The router: runs on the elected leader, plans each request with the control plane and dispatches the plan.
 
-A plan becomes messages: ``Scatter`` to each worker that prefills a cold segment, and one ``Combine`` to the
-combine home listing, per PIC segment, the peer to fetch it from. The router never touches KV bytes. It keeps
+A plan becomes messages: ``Scatter`` to each worker that prefills a cold segment, ``ScatterLead`` to the worker
+that prefills the prompt's lead when it is not the home, and one ``Combine`` to the combine home listing, per PIC
+segment, the peer to fetch it from (and the peer to read the prompt's first pages from). A prompt's regular tokens
+are keyed in blocks (``request_keys.block_segments``), as the workers report them. The router never touches KV
+bytes. It keeps
 each request in flight until its combine is done. When a prefill peer stops answering (no message for
 ``dead_after_s``), the view forgets what it held and the planner stays off it; every in-flight request whose
 combine home it was is reported lost to its front end (a resumable ``Failed``), which submits it again: only
 front ends start attempts, so two runs of one request never share an attempt number. A request that only reads a
-segment from the dead peer, or had a segment scattered to it, is not re-planned: its home's pin times out and the
-home computes the segment itself. A dead decode peer is the home's to handle (its hand-off fails).
+segment from the dead peer, or had a segment (or its lead) scattered to it, is not re-planned: its home's pin times
+out and the home computes it itself. A dead decode peer is the home's to handle (its hand-off fails).
 A router that does not lead refuses submissions (``NotLeader``); one it cannot plan fails them. A new leader
 starts with no requests in flight (front ends resubmit theirs) and rebuilds its view from every worker's
 snapshot. With ``observe_transfers`` (off by default), the fixed costs of reads and scatters the planner charges
@@ -29,7 +32,7 @@ from nebula_engine.cluster.control.control_plane import ControlPlane
 from nebula_engine.cluster.control.messages import Action, DoneEvent
 from nebula_engine.cluster.control.observed_costs import ObservedTransferCosts
 from nebula_engine.cluster.control.planner import TransferCosts
-from nebula_engine.cluster.control.request_keys import prompt_keys
+from nebula_engine.cluster.control.request_keys import block_segments, prompt_keys
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +131,7 @@ class RouterService:
 
     def _plan(self, msg: wire.Submit, attempt: int) -> None:
         spec = None if self.policy == "pc" else msg.pic_backend
-        segments = [(s.kind, msg.token_ids[s.start:s.start + s.length]) for s in msg.segments]
+        segments = block_segments([(s.kind, msg.token_ids[s.start:s.start + s.length]) for s in msg.segments])
         keys = prompt_keys(f"{msg.request_id}#{attempt}", segments, lambda ids: self.pic_key(spec, ids))
         pinned = msg.route in self.prefill_peers and msg.route not in self.dead
         decision = self.control.on_request(keys, self.clock(), self.prefill_peers.index(msg.route) if pinned else None)
@@ -155,21 +158,30 @@ class RouterService:
                 sources.append(wire.SourceSpec(pic_index, segment.key, holder, segment.key in computed))
         live_decode_peers = self._live_decode_peers()
         decode = live_decode_peers[0] if live_decode_peers else ""
-        remote_prefix = plan.prefix is not None and plan.prefix.worker != plan.combine_home
+        prefix_peer, prefix_tokens = "", 0
+        if plan.prefix is not None and plan.prefix.worker != plan.combine_home:
+            prefix_peer, prefix_tokens = self.prefill_peers[plan.prefix.worker], plan.prefix.num_tokens
+        if plan.lead is not None:  # a helper holding the prefix prefills the lead after it: the home reads both
+            prefix_peer, prefix_tokens = self.prefill_peers[plan.lead.worker], keys.prefix_tokens(keys.pic_indices[0])
+            self.deliver(prefix_peer, wire.ScatterLead(sender=self.name, task_id=plan.lead.task_id,
+                                                       request_id=msg.request_id,
+                                                       token_ids=list(msg.token_ids[:prefix_tokens])))
+            flight.tasks.add(plan.lead.task_id)
         flight.tasks.update([plan.combine_task_id, *local_tasks])
         self.in_flight[msg.request_id] = flight
         self.num_planned += 1
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("planned %s attempt %d: combine on %s, %d scattered, %d read, decode on %s; estimate %.0f "
-                         "prefill tokens, queues now %s", msg.request_id, attempt, home_name,
-                         len(flight.tasks) - 1 - len(local_tasks), len(sources), decode or "-", plan.estimate,
+            logger.debug("planned %s attempt %d: combine on %s, %d scattered, %d read, lead on %s, decode on %s; "
+                         "estimate %.0f prefill tokens, queues now %s", msg.request_id, attempt, home_name,
+                         len(flight.tasks) - 1 - len(local_tasks) - (plan.lead is not None), len(sources),
+                         prefix_peer if plan.lead is not None else "home", decode or "-", plan.estimate,
                          " ".join(f"{queue:.0f}" for queue in self.control.view.outstanding()))
         self.deliver(home_name, wire.Combine(
             sender=self.name, task_id=plan.combine_task_id, request_id=msg.request_id, attempt=attempt,
             frontend=msg.sender, token_ids=msg.token_ids, segments=msg.segments, params=msg.params,
             pic_backend=spec, sources=sources, local_task_ids=local_tasks, decode_peer=decode,
-            prefix_peer=self.prefill_peers[plan.prefix.worker] if remote_prefix else "",
-            prefix_tokens=plan.prefix.num_tokens if remote_prefix else 0, compute_here=compute_here))
+            prefix_peer=prefix_peer, prefix_tokens=prefix_tokens, compute_here=compute_here,
+            prefix_fresh=plan.lead is not None))
 
     def _live_decode_peers(self) -> list[str]:
         return [p for p in self.decode_peers if p not in self.dead]

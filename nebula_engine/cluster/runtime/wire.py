@@ -70,6 +70,15 @@ class Scatter(Msg):
     pic_backend: str  # the request's backend spec; it names ``key``
 
 
+class ScatterLead(Msg):
+    """Prefill ``token_ids`` (a prompt's lead after a prefix the receiver caches) exactly into the prefix cache, for
+    the combine home to read (its ``Combine.prefix_peer``)."""
+
+    task_id: str
+    request_id: str
+    token_ids: list[int]
+
+
 class SourceSpec(msgspec.Struct, array_like=True):
     segment_index: int
     key: str
@@ -92,6 +101,7 @@ class Combine(Msg):
     prefix_peer: str = ""  # a peer holding the prompt's first ``prefix_tokens`` in its prefix cache: read them
     prefix_tokens: int = 0
     compute_here: list[int] = []  # PIC indices of cold segments planned on this worker (prefilled while it fetches)
+    prefix_fresh: bool = False  # ``prefix_peer`` prefills the prompt's lead for it (a ``ScatterLead``): no cache hit
 
 
 class SnapshotRequest(Msg):
@@ -201,8 +211,9 @@ class Abort(Msg):
     request_id: str
 
 
-MESSAGE = (Hello | Heartbeat | Submit | NotLeader | Scatter | Combine | SnapshotRequest | PCShare | CacheEventMsg
-           | TaskDone | PinSegment | PinPrefix | PinReply | Unpin | UnpinPrefix | Handoff | HandoffDone | Output | Failed | Abort)
+MESSAGE = (Hello | Heartbeat | Submit | NotLeader | Scatter | ScatterLead | Combine | SnapshotRequest | PCShare
+           | CacheEventMsg | TaskDone | PinSegment | PinPrefix | PinReply | Unpin | UnpinPrefix | Handoff | HandoffDone
+           | Output | Failed | Abort)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(MESSAGE)

@@ -1,6 +1,8 @@
 """The data plane of one peer: executes the router's commands on this peer's engine and moves KV with NIXL.
 
 - ``Scatter``: prefill one cold PIC segment alone into this worker's PIC store.
+- ``ScatterLead``: prefill a prompt's lead (its regular tokens before the first PIC segment) exactly into this
+  worker's prefix cache, for the combine home to read as the rest of its prefix.
 - ``Combine``: fetch the request's remote segments (pin on the holder, NIXL read into fresh local pages,
   store locally, unpin), then run the request on the local engine (its PIC executor finds every segment in the
   local store and runs the combine prefill). With a live decode peer, the request stops after its first token
@@ -10,7 +12,8 @@
 - ``Handoff`` (decode peers): reserve pages, read the prompt K/V from the prefill peer, continue decoding (a
   hybrid model's linear-attention state after the prompt comes in the message itself); a read that fails reports
   the request lost the same way (recomputing here would repeat the first token).
-- Cache events (PIC stores/evicts, plus one PC event per cached prompt segment) and task completions go to the
+- Cache events (PIC stores/evicts, plus one PC event per cached block of the prompt, ``block_segments``) and task
+  completions go to the
   router. A failed or timed-out transfer never produces a wrong result: the segment is simply computed here.
 
 The engine is reached only through its ``EngineClusterPort``, whose cache operations run on the engine's own
@@ -30,10 +33,11 @@ from typing import Callable
 
 import msgspec
 import torch
+import xxhash
 
 from nebula_engine.cluster.runtime import wire
 from nebula_engine.cluster.runtime.liveness import Liveness
-from nebula_engine.cluster.control.request_keys import prompt_keys
+from nebula_engine.cluster.control.request_keys import block_segments, prompt_keys
 from nebula_engine.cluster.runtime.transfer import KVTransferAgent, TransferError
 from nebula_engine.engine.cluster_port import EngineClusterPort, PrefixPin, SegmentPin
 from nebula_engine.engine.kv_gate import KVGate
@@ -98,6 +102,11 @@ async def _opening(awaitable, gate: KVGate | None, part: str):
     finally:
         if gate is not None:
             gate.open(part)
+
+
+def lead_key(token_ids: list[int]) -> str:
+    """What a worker tracks a lead it prefills for another peer by (``_computing``), apart from PIC keys."""
+    return "lead/" + xxhash.xxh3_64_hexdigest(repr(tuple(token_ids)).encode())
 
 
 @dataclass(frozen=True)
@@ -182,7 +191,9 @@ class WorkerService:
         self._next_seq = 1  # sequence number of the next event reported to the router (cache events and task done)
         self.transfer_bytes = 0
         self.transfer_failures = 0
-        self.lead_tokens_prefilled = 0  # prompt leads prefilled into the prefix cache while combines waited
+        self.lead_tokens_prefilled = 0  # prompt leads prefilled into the prefix cache: for a waiting combine here or
+        # elsewhere (a ``ScatterLead``)
+        self.leads_for_others = 0  # ``ScatterLead``s prefilled here for another peer's combine
         self.evictions = {"pc": 0, "pic": 0}  # entries that left the device (dropped or demoted), from the events
 
     # ---- router commands ----
@@ -221,6 +232,27 @@ class WorkerService:
             self._report(wire.TaskDone(sender=self.name, worker_index=self.worker_index, task_id=msg.task_id,
                                        seq=self._take_seqs(1), request_id=msg.request_id))
 
+    async def on_scatter_lead(self, msg: wire.ScatterLead) -> None:
+        """Prefill a prompt's lead exactly into the prefix cache (after the prefix cached here) for a combine home
+        to read; a ``PinPrefix`` of it that arrives meanwhile waits for it (``on_pin_prefix``)."""
+        ids = msg.token_ids[:len(msg.token_ids) // self.engine.page_size * self.engine.page_size]
+        key = lead_key(ids)
+        self._start_computing([key])
+        start = time.monotonic()
+        try:
+            if ids:
+                cached = await self.engine.prefill_prefix(msg.task_id, ids)
+                self.lead_tokens_prefilled += len(ids) - cached
+                self.leads_for_others += 1
+                logger.debug("lead %s: %d tokens prefilled after %d cached, in %.3f s", msg.task_id, len(ids) - cached,
+                             cached, time.monotonic() - start)
+        except Exception:
+            logger.exception("prefilling the lead %s failed", msg.task_id)
+        finally:
+            self._stop_computing([key])
+            self._report(wire.TaskDone(sender=self.name, worker_index=self.worker_index, task_id=msg.task_id,
+                                       seq=self._take_seqs(1), request_id=msg.request_id))
+
     async def on_combine(self, msg: wire.Combine) -> None:
         start = time.monotonic()
         task = asyncio.current_task()
@@ -244,7 +276,7 @@ class WorkerService:
             # here are prefilled meanwhile; a read of cached KV is too short to overlap a forward with, and that
             # prefill would be a forward of its own: then the combine computes them in its step
             waits = bool(remote) or prefix_read is not None
-            local_prefill = any(s.fresh for s in remote) and bool(msg.compute_here)
+            local_prefill = (any(s.fresh for s in remote) or msg.prefix_fresh) and bool(msg.compute_here)
             # the regular tokens before the first PIC segment (a system prompt) do not depend on the segments awaited:
             # prefilled exactly meanwhile (after the prefix, when it is read), they reach the combine as a prefix hit.
             # Unlike a cold segment, the combine would compute them in full: a forward of their own costs little more
@@ -258,7 +290,9 @@ class WorkerService:
                 self._prefill_lead(msg, lead, gate, prefix_read) if lead else asyncio.sleep(0)))
 
             async def made_for_request() -> MadeForRequest:
-                (copied, _), computed_here, lead_cached_before = await kv
+                (copied, prefix_before), computed_here, lead_cached_before = await kv
+                if msg.prefix_fresh and prefix_before is not None:  # the lead read was prefilled for it
+                    lead_cached_before = prefix_before
                 copied_keys = {s.key for s, ok in zip(remote, copied) if ok}
                 if waits:
                     logger.debug("combine %s: read %d/%d remote segments, prefilled %d here%s; KV ready after %.3f s",
@@ -502,16 +536,18 @@ class WorkerService:
         await self.engine.import_segment(source.key, len(ids), pages, state)
         return True
 
-    async def _fetch_prefix(self, msg: wire.Combine) -> bool:
+    async def _fetch_prefix(self, msg: wire.Combine) -> int | None:
         """Copy the prompt's first ``msg.prefix_tokens`` tokens' pages from ``msg.prefix_peer``'s prefix cache into
-        this peer's (as its own prefill would have cached them); the engine then finds them as a prefix hit. What
-        is already cached here is not read again; on any failure the prefix is simply computed."""
+        this peer's (as its own prefill would have cached them); the engine then finds them as a prefix hit. Only
+        the pages past those already cached here are read; on any failure the rest is simply computed. Returns the
+        tokens cached here before the read when it added any, else None."""
         page_size = self.engine.page_size
         # the last prompt token is always computed: a prefix covering the whole prompt is cut a page short
         num_pages = min(msg.prefix_tokens, len(msg.token_ids) - 1) // page_size
         wanted = list(msg.token_ids[:num_pages * page_size])
-        if await self.engine.cached_prefix_pages(wanted) >= num_pages:
-            return False
+        have = await self.engine.cached_prefix_pages(wanted)
+        if have >= num_pages:
+            return None
         tag = f"{self.name}/{next(self._tags)}"
         reply_future = asyncio.get_running_loop().create_future()
         self._pin_replies[tag] = reply_future
@@ -524,22 +560,32 @@ class WorkerService:
             self.transfer_failures += 1
             self._abandon_pin(tag, wire.UnpinPrefix(sender=self.name, tag=tag))
             logger.warning("no prefix pin reply from %s (%s): computing it here", msg.prefix_peer, outcome)
-            return False
+            return None
         reply = reply_future.result()
         try:
-            return reply.ok and await self._copy_prefix_in(msg.prefix_peer, wanted, reply.pages)
+            if reply.ok and await self._copy_prefix_in(msg.prefix_peer, wanted, reply.pages, have):
+                return have * page_size
+            return None
         finally:
             if reply.ok:
                 self.send(msg.prefix_peer, wire.UnpinPrefix(sender=self.name, tag=tag))
 
-    async def _copy_prefix_in(self, holder: str, token_ids: list[int], remote_pages: list[int]) -> bool:
-        pages = await self.engine.allocate_pages(len(remote_pages))
-        if pages is None or not await self._read_into(holder, remote_pages, pages, "a prefix"):
+    async def _copy_prefix_in(self, holder: str, token_ids: list[int], remote_pages: list[int], have: int) -> bool:
+        """Read the holder's pages past the ``have`` leading pages cached here and cache them after those."""
+        if len(remote_pages) <= have:
             return False
-        await self.engine.import_prefix(token_ids, pages)
-        return True
+        pages = await self.engine.allocate_pages(len(remote_pages) - have)
+        if pages is None or not await self._read_into(holder, remote_pages[have:], pages, "a prefix"):
+            return False
+        return await self.engine.import_prefix(token_ids[:len(remote_pages) * self.engine.page_size], pages, have)
 
     async def on_pin_prefix(self, msg: wire.PinPrefix) -> None:
+        key = lead_key(msg.token_ids)
+        if key in self._computing:  # a ``ScatterLead`` here is prefilling it: pin it once it is cached
+            try:
+                await asyncio.wait_for(self._appeared[key].wait(), PIN_TIMEOUT_S / 2)
+            except asyncio.TimeoutError:
+                pass
         pin = await self.engine.pin_prefix(msg.token_ids)
         if pin is not None:
             self._pinned_prefixes[(msg.sender, msg.tag)] = pin
@@ -680,15 +726,16 @@ class WorkerService:
     async def _pc_events(self, segmented: SegmentedPrompt, spec: str | None) -> None:
         if not self.engine.caches_prefixes:
             return
-        keys = prompt_keys("", [(s.kind.value, segmented.segment_ids(s)) for s in segmented.segments],
-                           lambda ids: self.pic_key(spec, ids))
-        page_counts = [-(-segment.end // self.engine.page_size) for segment in segmented.segments]
-        # one hash per segment whose last page is cached, up to the first that is not (or no longer) cached
+        blocks = block_segments([(s.kind.value, segmented.segment_ids(s)) for s in segmented.segments])
+        keys = prompt_keys("", blocks, lambda ids: self.pic_key(spec, ids))
+        ends = itertools.accumulate(len(ids) for _, ids in blocks)
+        page_counts = [-(-end // self.engine.page_size) for end in ends]
+        # one hash per block whose last page is cached, up to the first that is not (or no longer) cached
         hashes = await self.engine.cached_prefix_hashes(list(segmented.token_ids), page_counts)
         events = []
-        for segment, key, block_hash in zip(segmented.segments, keys.pc_keys, hashes):
+        for num_tokens, key, block_hash in zip(keys.tokens, keys.pc_keys, hashes):
             self._pc_page_keys.setdefault(block_hash, set()).add(key)
-            events.append(StoreEvent(self.worker_index, 0, CacheKind.PC, (key,), segment.length))
+            events.append(StoreEvent(self.worker_index, 0, CacheKind.PC, (key,), num_tokens))
         if events:
             self._report_events(events)
 

@@ -17,8 +17,12 @@ WORKLOAD_NAMES = ("ragpulse", "tau-bench", "chatdev", "swe-agent", "doc2dial", "
 
 
 def build_profile(options: dict) -> ClusterProfile:
-    """The profile file with the command line's overrides applied on top."""
+    """The profile file with the command line's overrides applied on top; ValueError for one the simulator cannot
+    model."""
     profile = ClusterProfile.load(options["profile"])
+    if profile.lead_while_waiting:
+        raise ValueError(f"profile {profile.name!r} sets lead_while_waiting, a local cluster's engine property the "
+                         f"simulator does not model (it simulates the paper's combine, §7.2)")
     overrides = {field: options[option] for option, field in (("capacity", "cache_capacity_tokens"),
                                                               ("host_capacity", "host_capacity_tokens"))
                  if options[option] is not None}

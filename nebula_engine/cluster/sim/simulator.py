@@ -111,6 +111,9 @@ class Simulator:
         if config.cache_name not in CACHES:
             raise ValueError(f"unknown cache {config.cache_name!r}; choose from {sorted(CACHES)}")
         cluster = config.cluster
+        if cluster.profile.lead_while_waiting:  # a local cluster's engine prefills it apart; the paper's does not
+            raise ValueError(f"profile {cluster.profile.name!r} sets lead_while_waiting, a local cluster's engine "
+                             f"property the simulator does not model (it simulates the paper's combine, §7.2)")
         self.config, self.cluster, self.profile = config, cluster, cluster.profile
         self.requests = list(requests)
         self.control = ControlPlane(cluster, config.policy, config.view, config.scheduler)
