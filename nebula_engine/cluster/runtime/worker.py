@@ -286,7 +286,7 @@ class WorkerService:
                                                     for s in remote)), prefix_read or asyncio.sleep(0))
             kv = asyncio.ensure_future(asyncio.gather(
                 _opening(reads, gate, "reads"),
-                self._prefill_here(msg, segmented, gate) if local_prefill else asyncio.sleep(0, result=[]),
+                self._prefill_here(msg, segmented, gate, computing) if local_prefill else asyncio.sleep(0, result=[]),
                 self._prefill_lead(msg, lead, gate, prefix_read) if lead else asyncio.sleep(0)))
 
             async def made_for_request() -> MadeForRequest:
@@ -329,11 +329,13 @@ class WorkerService:
                                            seq=self._take_seqs(1), request_id=msg.request_id,
                                            transfers=transfers if task_id == msg.task_id else []))
 
-    async def _prefill_here(self, msg: wire.Combine, segmented: SegmentedPrompt, gate: KVGate) -> list[int]:
+    async def _prefill_here(self, msg: wire.Combine, segmented: SegmentedPrompt, gate: KVGate,
+                            computing: list[str]) -> list[int]:
         """Prefill the combine's cold segments planned on this worker into its PIC store, then open ``gate``'s
         "prefill" part (on the engine thread, so the combine can run in the next step); the PIC indices of those it
         computed (their tokens are no cache hits when the combine finds them). On failure the combine computes
-        them itself."""
+        them itself. Once they are stored, a peer's pin that waits for them (``computing``, which the combine
+        would release only when it ends) is answered."""
         segments = [list(segmented.segment_ids(segmented.pic_segments[index])) for index in msg.compute_here]
         try:
             made = await self.engine.prefill_missing_segments(msg.pic_backend, segments, then_open=(gate, "prefill"))
@@ -342,6 +344,10 @@ class WorkerService:
             return []
         finally:
             gate.open("prefill")  # (already open unless the call never ran)
+        stored = [key for key in (self.pic_key(msg.pic_backend, ids) for ids in segments) if key in computing]
+        for key in stored:
+            computing.remove(key)
+        self._stop_computing(stored)
         return [index for index, made_here in zip(msg.compute_here, made) if made_here]
 
     def _lead(self, segmented: SegmentedPrompt) -> list[int]:
