@@ -726,7 +726,7 @@ class WorkerService:
                                         snapshot=snapshot))
 
     def _report_prompt_cached(self, segmented: SegmentedPrompt, spec: str | None) -> None:
-        """Ask the engine thread to report the prompt's cached segments as PC entries (segment granularity)."""
+        """Ask the engine thread to report the prompt's cached blocks as PC entries (``block_segments``)."""
         asyncio.get_running_loop().create_task(self._pc_events(segmented, spec))
 
     async def _pc_events(self, segmented: SegmentedPrompt, spec: str | None) -> None:
