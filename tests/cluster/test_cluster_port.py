@@ -303,6 +303,6 @@ def test_the_cost_profile_carries_the_engine_geometry_and_the_measured_prefill()
     unshared = measured_cluster_config(local_spec(2, 1, shared_cores=False), KVGeometry(4, 10, 96), 0.002)
     assert not unshared.profile.shared_compute  # Algorithm 1: each peer plans as if it had its own cores
     # a home prefills the lead while it waits, unless its engine's combines start at position 0 (hybrid models)
-    assert profile.combine_queues and profile.lead_while_waiting
+    assert profile.combine_queues and profile.lead_while_waiting and profile.expected_copies_wait
     hybrid = measured_cluster_config(spec, KVGeometry(4, 10, 96), 0.002, lead_while_waiting=False)
     assert not hybrid.profile.lead_while_waiting

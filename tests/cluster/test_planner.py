@@ -206,12 +206,14 @@ def test_both_loops_match_literal_algorithm_1_with_latency_dispatch_and_shared_c
 @pytest.mark.parametrize("compiled", [None, False])
 @pytest.mark.parametrize("seed", range(150))
 @pytest.mark.parametrize("fixed_costs", [costs_with_dispatch, costs_on_shared_cores, costs_with_combine_queues])
-def test_both_loops_match_literal_algorithm_1_with_a_lead_in_the_home_term(fixed_costs, seed, compiled):
+def test_both_loops_match_literal_algorithm_1_with_a_lead_and_sources_that_wait(fixed_costs, seed, compiled):
     rng = random.Random(seed)
     workers = rng.randint(1, 6)
     costs = fixed_costs(rng, workers)
     problem = random_problem(rng, workers, rng.randint(0, 14))
-    problem = replace(problem, lead=rng.choice([0.0, problem.combine_cost * rng.random(), problem.combine_cost]))
+    waits = tuple(rng.choice([0.0, 0.0, 30.0, rng.random() * 300]) for _ in range(workers)) if seed % 2 else ()
+    problem = replace(problem, lead=rng.choice([0.0, problem.combine_cost * rng.random(), problem.combine_cost]),
+                      source_wait=waits)
     plan = GreedyPlanner(costs, seed, compiled=compiled).plan(problem)
     assert plan == reference_plan(problem, costs, random.Random(seed))
     assert plan.estimate == estimate(problem, plan.home, plan.cold_workers, plan.hit_sources, costs)
@@ -443,3 +445,37 @@ def test_homes_tied_by_the_shared_cores_floor_go_to_the_least_loaded(compiled):
     plans = [GreedyPlanner(costs, seed, compiled=compiled).plan(problem) for seed in range(40)]
     assert {p.estimate for p in plans} == {650.0}
     assert {p.home for p in plans} == {1, 2}  # both idle homes still drawn at random
+
+
+@pytest.mark.parametrize("compiled", [None, False])
+def test_a_source_whose_copy_is_not_computed_yet_adds_its_wait_and_the_home_its_own_does_not(compiled):
+    """Worker 1 will hold a 300-token copy once it has worked 500 tokens: read from there, the combine at home 0
+    starts after that wait; the home with the copy (1) reads its own and waits only for its queue."""
+    costs = TransferCosts([[0.0, 0.01], [0.01, 0.0]], combine_queues=True)
+    problem = PlanningProblem((Hit(300, ((1, Tier.DEVICE),)),), (), (0.0, 500.0), 100.0, source_wait=(0.0, 500.0))
+    assert estimate(problem, 0, [], [1], costs) == 500.0 + 0.01 * 300 + 100.0
+    assert estimate(replace(problem, source_wait=()), 0, [], [1], costs) == 0.01 * 300 + 100.0
+    assert estimate(problem, 1, [], [1], costs) == 500.0 + 100.0  # its queue, not the wait on top
+    assert GreedyPlanner(costs, compiled=compiled).plan(problem).home == 1
+
+
+def test_source_wait_is_one_non_negative_entry_per_worker():
+    with pytest.raises(ValueError, match="2 workers"):
+        PlanningProblem((), (), (0.0, 0.0), 0.0, source_wait=(1.0,))
+    with pytest.raises(ValueError, match="non-negative"):
+        PlanningProblem((), (), (0.0, 0.0), 0.0, source_wait=(0.0, -1.0))
+
+
+def test_readable_copies_drop_a_copy_whose_wait_exceeds_its_saving_unless_the_home_queue_covers_it():
+    """A 200-token copy at worker 1 exists only after 400 tokens of its queue: recomputing it at the home costs
+    200, so a free home recomputes; a home whose combine waits behind 350 tokens anyway loses only 50 to the wait
+    and reads it; one whose combine does not queue (§7.2) pays the whole wait."""
+    device = Tier.DEVICE
+    queued = TransferCosts([[0.0, 0.01], [0.01, 0.0]], latency=[[0.0, 10.0], [10.0, 0.0]], combine_queues=True)
+    holders, length, wait = {"s": ((1, device),)}, {"s": 200}, {"s": 400.0}
+    assert readable_copies(holders, length, 0, queued) == holders  # no wait known: a plain copy
+    assert readable_copies(holders, length, 0, queued, wait, home_queue=0.0) == {"s": ()}
+    assert readable_copies(holders, length, 0, queued, wait, home_queue=350.0) == holders
+    assert readable_copies(holders, length, 1, queued, wait) == holders  # the home's own copy
+    paper = TransferCosts(queued.to, latency=queued.latency)
+    assert readable_copies(holders, length, 0, paper, wait, home_queue=350.0) == {"s": ()}

@@ -6,8 +6,8 @@ import pytest
 from builders import rag_requests, request
 from nebula_engine.cluster.control.config import ClusterConfig
 from nebula_engine.cluster.control.control_plane import ControlPlane
-from nebula_engine.cluster.control.messages import (Action, CacheKind, DoneEvent, LeadPlan, PrefixPlan, StoreEvent,
-                                                    Tier)
+from nebula_engine.cluster.control.messages import (Action, CacheKind, DoneEvent, LeadPlan, PrefillPlan, PrefixPlan,
+                                                    SegmentPlan, StoreEvent, Tier)
 from nebula_engine.cluster.control.planner import Hit, PlanningProblem, TransferCosts
 from nebula_engine.cluster.control.policies import POLICIES, default_cache, make_policy, view_config
 from nebula_engine.cluster.control.request_keys import RequestKeys
@@ -180,6 +180,48 @@ def test_short_copies_on_one_source_are_read_when_together_they_pay_its_latency_
         assert {s.key: (s.action, s.worker) for s in plan.segments} == {
             "big": (Action.REUSE, 0), "doc-a": (Action.REUSE, 1), "doc-b": (Action.REUSE, 1),
             "doc-c": (Action.COMPUTE, 0)}
+
+
+def expected_copy_plane(expected_copies_wait: bool) -> ControlPlane:
+    """Three workers; worker 0 holds a big document (so it is the home); worker 1 was just sent a 300-token document
+    to prefill behind 2,000 tokens of earlier work: the view expects it there, not stored yet."""
+    d = [[0.0 if w == c else 0.01 for w in range(3)] for c in range(3)]
+    latency = [[0.0 if w == c else 20.0 for w in range(3)] for c in range(3)]
+    costs = TransferCosts(d, latency=latency, combine_queues=True, expected_copies_wait=expected_copies_wait)
+    plane = ControlPlane(ClusterConfig(num_prefill_workers=3), "nebula", costs=costs)
+    plane.on_event(StoreEvent(0, 1, CacheKind.PIC, ("big",), 1000), now=0.0)
+    plane.view.reserve("earlier", 1, 2000.0)
+    computing = SegmentPlan(0, "doc", 300, 1, Action.COMPUTE, task_id="first/s0")
+    plane.view.record_dispatch(PrefillPlan("first", 1, "first/combine", 10.0, None, (computing,), (), ()), now=0.0)
+    return plane
+
+
+EXPECTED_COPY_KEYS = RequestKeys.of(request("r", ("I", "big", 1000), ("I", "doc", 300), ("R", "q", 5)))
+
+
+@pytest.mark.parametrize("home", [None, 0], ids=["planned", "pinned"])
+def test_a_copy_not_computed_yet_is_read_only_when_its_holders_wait_costs_less_than_recomputing_it(home):
+    """Read at once (the paper's optimistic accounting), the expected copy made the reader wait for 2,300 tokens of
+    its holder's work to save 300: with ``expected_copies_wait`` the home recomputes it, and reads it once stored."""
+    optimistic = expected_copy_plane(False).on_request(EXPECTED_COPY_KEYS, now=1.0, home=home).plan
+    assert [(s.action, s.worker) for s in optimistic.segments if s.key == "doc"] == [(Action.REUSE, 1)]
+    plane = expected_copy_plane(True)
+    waiting = plane.on_request(EXPECTED_COPY_KEYS, now=1.0, home=home).plan
+    assert waiting.combine_home != 1  # (idle workers 0 and 2 tie)
+    assert [(s.action, s.worker) for s in waiting.segments if s.key == "doc"] == [(Action.COMPUTE,
+                                                                                    waiting.combine_home)]
+    plane = expected_copy_plane(True)
+    plane.on_event(StoreEvent(1, 1, CacheKind.PIC, ("doc",), 300), now=1.0)
+    stored = plane.on_request(EXPECTED_COPY_KEYS, now=1.0, home=home).plan
+    assert [(s.action, s.worker) for s in stored.segments if s.key == "doc"] == [(Action.REUSE, 1)]
+
+
+def test_a_stored_copy_is_read_before_an_expected_one():
+    plane = expected_copy_plane(True)
+    plane.view.release("earlier")  # worker 1's copy is a short wait away, worker 2's is there
+    plane.on_event(StoreEvent(2, 1, CacheKind.PIC, ("doc",), 300), now=1.0)
+    plan = plane.on_request(EXPECTED_COPY_KEYS, now=1.0).plan
+    assert [(s.action, s.worker) for s in plan.segments if s.key == "doc"] == [(Action.REUSE, 2)]
 
 
 def test_the_lead_a_waiting_home_prefills_is_planned_as_its_own_work():

@@ -181,3 +181,27 @@ def test_snapshot_install_rebuilds_view():
     rebuilt.expire(now=5.0)
     assert rebuilt.holders(PIC, "doc", now=5.0) == {}  # TTL carried over
     assert rebuilt.release("r/s0") and not rebuilt.release("r/s0")
+
+
+def test_an_expected_copy_waits_for_the_work_queued_before_it_and_none_once_stored():
+    view = ClusterView(2)
+    view.reserve("earlier", 1, 300.0)
+    view.record_dispatch(plan_computing("doc", worker=1), now=0.0)
+    record = view.holders(PIC, "doc", now=0.0)[1]
+    assert view.wait_tokens(record, 1) == 400.0  # the earlier work, then the segment itself
+    view.reserve("later", 1, 500.0)  # queued after it: no longer wait
+    assert view.wait_tokens(record, 1) == 400.0
+    view.release("earlier")
+    assert view.wait_tokens(record, 1) == 100.0
+    view.apply(StoreEvent(1, 0, PIC, ("doc",), 100), now=0.5)
+    assert view.wait_tokens(view.holders(PIC, "doc", now=0.5)[1], 1) == 0.0
+
+
+def test_an_expected_copy_from_a_snapshot_waits_for_its_holders_whole_queue():
+    view = ClusterView(2)
+    view.reserve("earlier", 1, 300.0)
+    view.record_dispatch(plan_computing("doc", worker=1), now=0.0)
+    view.reserve("later", 1, 500.0)
+    rebuilt = ClusterView(2)
+    rebuilt.install(view.snapshot())
+    assert rebuilt.wait_tokens(rebuilt.holders(PIC, "doc", now=0.0)[1], 1) == 900.0

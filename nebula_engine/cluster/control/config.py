@@ -74,6 +74,10 @@ class ClusterProfile:
     whose combine waits for remote KV prefills the prompt's lead meanwhile (the regular tokens before its first PIC
     segment, past the prefix hit), as this project's peers do, so the planner counts the lead in the home's term
     instead of after the wait (``PlanningProblem.lead``); False is the paper's model, where it is part of C.
+    ``expected_copies_wait``: a copy the view only expects (recorded on dispatch, not stored yet) is planned as read
+    after the work its holder does first (``ClusterView.wait_tokens``, ``PlanningProblem.source_wait``), and read
+    only when that wait costs less than recomputing it; False is the paper's optimistic accounting, where it counts
+    as held (§5.1).
     """
 
     name: str
@@ -94,6 +98,7 @@ class ClusterProfile:
     dispatch_s: float = 0.0
     combine_queues: bool = False
     lead_while_waiting: bool = False
+    expected_copies_wait: bool = False
     sources: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
@@ -158,8 +163,9 @@ class ClusterProfile:
 
     @classmethod
     def from_dict(cls, data: dict) -> "ClusterProfile":
-        required = {f.name for f in fields(cls) if f.name not in ("shared_compute", "node_cores", "dispatch_s",
-                                                                   "combine_queues", "lead_while_waiting", "sources")}
+        optional = ("shared_compute", "node_cores", "dispatch_s", "combine_queues", "lead_while_waiting",
+                    "expected_copies_wait", "sources")
+        required = {f.name for f in fields(cls) if f.name not in optional}
         missing = sorted(required - set(data))
         if missing:
             raise ValueError(f"profile {data.get('name', '?')!r} lacks {', '.join(missing)}")

@@ -94,8 +94,9 @@ class ControlPlane:
         """``nebula``: per PIC content past the prefix, the copies ``home`` reads (``readable_copies``)."""
         if self.policy.name != "nebula":
             return {}
-        holders, length = NebulaPolicy.copies_past(keys, self.view, depth, now)
-        return readable_copies(holders, length, home, self.costs)
+        holders, length, wait = NebulaPolicy.copies_past(keys, self.view, depth, now,
+                                                         self.costs.expected_copies_wait)
+        return readable_copies(holders, length, home, self.costs, wait, self.view.outstanding_tokens(home))
 
     def on_event(self, event: WorkerEvent, now: float) -> bool:
         self.view.expire(now)

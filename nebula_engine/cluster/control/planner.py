@@ -79,17 +79,21 @@ class TransferCosts:
     ``combine_queues``: the home's queue Q_c counts in its term whether or not it computes a cold segment, since
     the combine waits behind it (``ClusterProfile.combine_queues``); False is §7.2's estimate.
     ``lead_while_waiting``: the home prefills the prompt's lead while it waits for remote KV, so a policy plans the
-    lead as the home's own work (``PlanningProblem.lead``, ``ClusterProfile.lead_while_waiting``)."""
+    lead as the home's own work (``PlanningProblem.lead``, ``ClusterProfile.lead_while_waiting``).
+    ``expected_copies_wait``: a policy plans a read of a copy not stored yet after its holder's work before it
+    (``PlanningProblem.source_wait``, ``ClusterProfile.expected_copies_wait``)."""
 
     def __init__(self, to: Sequence[Sequence[float]], tier_cost: dict[Tier, float] | None = None,
                  latency: Sequence[Sequence[float]] | None = None,
                  dispatch: Sequence[Sequence[float]] | None = None, parallel_forwards: float = math.inf,
-                 combine_queues: bool = False, lead_while_waiting: bool = False):
+                 combine_queues: bool = False, lead_while_waiting: bool = False,
+                 expected_copies_wait: bool = False):
         if not parallel_forwards > 0:
             raise ValueError(f"parallel_forwards must be positive, got {parallel_forwards}")
         self.parallel_forwards = float(parallel_forwards)
         self.combine_queues = combine_queues
         self.lead_while_waiting = lead_while_waiting
+        self.expected_copies_wait = expected_copies_wait
         self.to = [list(column) for column in to]
         self.tier_cost = {**{tier: math.inf for tier in Tier}, **(tier_cost or {}), Tier.DEVICE: 0.0}
         self.num_workers = len(self.to)
@@ -118,7 +122,7 @@ class TransferCosts:
         nodes = len({profile.node_of(w) for w in range(num_workers)})
         parallel = profile.node_cores * nodes if profile.shared_compute else math.inf
         return cls(to, {tier: profile.tier_cost(tier) for tier in Tier}, latency, dispatch, parallel,
-                   profile.combine_queues, profile.lead_while_waiting)
+                   profile.combine_queues, profile.lead_while_waiting, profile.expected_copies_wait)
 
     def work_floor(self, problem: "PlanningProblem") -> float:
         """F: the time the shared processors need for all queued work plus this request's cold segments and the
@@ -155,6 +159,21 @@ class PlanningProblem:
     # the part of C the home computes while remote KV is in flight (the prompt's lead, ``TransferCosts.
     # lead_while_waiting``): counted in the home's term and in F instead of after the maximum; 0 is §7.2's estimate
     lead: float = 0.0
+    # per worker, what a plan that reads from it waits before its copies exist, in prefill tokens: a copy the view
+    # only expects (recorded on dispatch) is computed behind that worker's queue (``ClusterView.wait_tokens``).
+    # Added to a source's term, not the home's (a home reading its own copy waits for its queue anyway when its
+    # combine queues; in §7.2's model its combine has priority). Empty: no waits, Algorithm 1's estimate
+    source_wait: tuple[float, ...] = ()
+
+    def __post_init__(self):
+        if self.source_wait and len(self.source_wait) != len(self.outstanding):
+            raise ValueError(f"source_wait has {len(self.source_wait)} entries for {len(self.outstanding)} workers")
+        if any(not wait >= 0 for wait in self.source_wait):
+            raise ValueError(f"source_wait must be non-negative, got {self.source_wait}")
+
+    def waits(self) -> np.ndarray:
+        """``source_wait`` as the compiled planner's array (zeros when empty)."""
+        return np.array(self.source_wait or (0.0,) * len(self.outstanding), dtype=np.float64)
 
     @property
     def after_wait(self) -> float:
@@ -214,7 +233,8 @@ def hit_source(hit: Hit, home: int, costs: TransferCosts) -> int:
 
 
 def readable_copies(holders: dict[K, tuple[tuple[int, Tier], ...]], length: dict[K, int], home: int,
-                    costs: TransferCosts) -> dict[K, tuple[tuple[int, Tier], ...]]:
+                    costs: TransferCosts, wait: dict[K, float] | None = None,
+                    home_queue: float = 0.0) -> dict[K, tuple[tuple[int, Tier], ...]]:
     """Per segment (``holders``: its copies; ``length``: its tokens), the copies a combine at ``home`` reads rather
     than recomputes. A copy must cost less per token to load and move there than recomputing it (§7.2's d(w -> c)
     plus the tier's read cost), and a source worker must save, over every copy the home reads from it (``hit_source``
@@ -222,17 +242,28 @@ def readable_copies(holders: dict[K, tuple[tuple[int, Tier], ...]], length: dict
     (``TransferCosts.latency``). A source that does not is dropped for every segment and those segments go to their
     next cheapest holder, until every source left pays. With no latency a device copy always passes, as in
     Algorithm 1; with it, short segments held elsewhere are hits only for a home that holds them, or when enough of
-    them come from one source."""
+    them come from one source.
+
+    ``wait``: per segment whose copies do not exist yet (expected where a plan computes them), the prefill tokens its
+    holder works before they do (``ClusterView.wait_tokens``); such a segment must have one holder. A source then
+    also pays the longest such wait, less ``home_queue`` when the home's combine waits for its queue anyway
+    (``TransferCosts.combine_queues``); a copy the home holds itself waits for nothing more than that queue."""
+    wait = wait or {}
+    covered = home_queue if costs.combine_queues else 0.0
     kept = {key: tuple((w, tier) for w, tier in copies if costs.copy_cost(tier, w, home) < 1.0)
             for key, copies in holders.items()}
     while True:
         saved: dict[int, float] = {}
+        waited: dict[int, float] = {}
         for key, copies in kept.items():
             if copies:
                 src = hit_source(Hit(length[key], copies), home, costs)
                 tier = next(t for w, t in copies if w == src)
                 saved[src] = saved.get(src, 0.0) + length[key] * (1.0 - costs.copy_cost(tier, src, home))
-        dropped = {src for src, tokens in saved.items() if not costs.latency[home][src] < tokens}
+                if src != home:
+                    waited[src] = max(waited.get(src, 0.0), wait.get(key, 0.0))
+        dropped = {src for src, tokens in saved.items()
+                   if not costs.latency[home][src] + max(0.0, waited.get(src, 0.0) - covered) < tokens}
         if not dropped:
             return kept
         kept = {key: tuple(c for c in copies if c[0] not in dropped) for key, copies in kept.items()}
@@ -264,11 +295,12 @@ def summarise(grouped: dict[int, list[int]], costs: TransferCosts) -> dict[int, 
 
 
 def fixed_transfer(summary: dict[int, tuple[int, float]], home: int,
-                   costs: TransferCosts) -> dict[int, float]:
+                   costs: TransferCosts, wait: Sequence[float] = ()) -> dict[int, float]:
     """Per source worker: cost of moving to ``home`` (and reading from a slow tier) what it supplies, plus the
-    latency of its link to ``home``."""
+    latency of its link to ``home``, plus what it waits before its copies exist (``PlanningProblem.source_wait``)."""
     column, latency = costs.to[home], costs.latency[home]
-    return {src: column[src] * tokens + extra + latency[src] for src, (tokens, extra) in summary.items()}
+    return {src: column[src] * tokens + extra + latency[src] + (wait[src] if wait and src != home else 0.0)
+            for src, (tokens, extra) in summary.items()}
 
 
 @functools.cache
@@ -372,7 +404,8 @@ class GreedyPlanner:
         tokens, extra = supplied_by_source(problem.hits, self.costs)
         estimates, moved = self.kernel.plan_homes(self.costs.matrix, self.costs.latency_matrix,
                                                   self.costs.dispatch_matrix, queue, by_load, homes,
-                                                  cold[order], tokens, extra, self.costs.work_floor(problem),
+                                                  cold[order], tokens, extra, problem.waits(),
+                                                  self.costs.work_floor(problem),
                                                   self.costs.combine_queues, float(problem.lead))
         best = estimates.min()
         home = break_tie(np.flatnonzero(estimates == best).tolist(), int, problem.outstanding, self.rng)  # ascending
@@ -424,7 +457,7 @@ class GreedyPlanner:
         """
         column, queue, latency = self.costs.to[home], problem.outstanding, self.costs.latency[home]
         dispatch = self.costs.dispatch[home]
-        fixed = fixed_transfer(summary, home, self.costs)
+        fixed = fixed_transfer(summary, home, self.costs, problem.source_wait)
         home_fixed = fixed.get(home, 0.0)
         home_queue = queue[home]
         if self.costs.combine_queues:  # the combine waits for the home's queue: a fixed part of the home's term
@@ -485,7 +518,7 @@ def estimate(problem: PlanningProblem, home: int, cold_workers: Sequence[int],
     for hit, src in zip(problem.hits, hit_sources):
         tier = next(t for w, t in hit.holders if w == src)
         grouped.setdefault(src, [0] * len(TIERS))[TIERS.index(tier)] += hit.num_tokens
-    fixed = fixed_transfer(summarise(grouped, costs), home, costs)
+    fixed = fixed_transfer(summarise(grouped, costs), home, costs, problem.source_wait)
     latency, dispatch = costs.latency[home], costs.dispatch[home]
     terms = [worker_time(problem.outstanding[w] if computed[w] else 0.0, computed[w], column[w],
                          fixed.get(w, latency[w] if computed[w] else 0.0)) + (dispatch[w] if computed[w] else 0.0)

@@ -16,11 +16,11 @@ import numpy as np
 from numba import njit
 
 # (rows of to, rows of latency, rows of dispatch, queue, workers up by load, homes to try by load, cold lengths longest
-# first, tokens and extra per source, the shared processors' work floor, whether a combine waits for its home's queue,
-# the lead the home prefills while it waits)
+# first, tokens and extra per source, each source's wait for its copies, the shared processors' work floor, whether a
+# combine waits for its home's queue, the lead the home prefills while it waits)
 PLAN_HOMES_SIGNATURE = "Tuple((float64[::1], int64[:, ::1]))(float64[:, ::1], float64[:, ::1], float64[:, ::1], " \
-                       "float64[::1], int64[::1], int64[::1], int64[::1], int64[:, ::1], float64[:, ::1], float64, " \
-                       "boolean, float64)"
+                       "float64[::1], int64[::1], int64[::1], int64[::1], int64[:, ::1], float64[:, ::1], " \
+                       "float64[::1], float64, boolean, float64)"
 
 
 @njit("boolean(float64, int64, float64, int64)", cache=True)
@@ -138,13 +138,15 @@ def _plan_home(home, column, dispatch, queue, homes, lengths, fixed, sending, bo
 
 
 @njit(PLAN_HOMES_SIGNATURE, cache=True)
-def plan_homes(to, latency, dispatch, queue, homes, candidates, lengths, tokens, extra, floor, combine_queues, lead):
+def plan_homes(to, latency, dispatch, queue, homes, candidates, lengths, tokens, extra, wait, floor, combine_queues,
+               lead):
     """Run the greedy for every home of ``candidates``, least loaded first, pruning against the best estimate so
     far.
 
     ``to[c, w]`` is d(w -> c); ``tokens[r, w]`` and ``extra[r, w]`` are what worker w supplies from
     cache and its slow-tier read cost, with one row per home (r = c) or a single row shared by all.
     ``latency[c, w]`` is added to w's fixed cost: paid by a source, and by a worker once it computes for c;
+    ``wait[w]`` too, when w is a source other than the home (``PlanningProblem.source_wait``);
     ``dispatch[c, w]`` is added to w's time once it computes for c. ``floor`` is F, the shared processors' time
     for all the work (``TransferCosts.work_floor``): a lower bound on every home's estimate.
     ``homes`` may leave workers out (down ones): they are neither home nor helper. ``candidates`` (some of
@@ -170,7 +172,8 @@ def plan_homes(to, latency, dispatch, queue, homes, candidates, lengths, tokens,
             # fixed_transfer: d(w->c) * tokens w sends + its slow-tier read cost + the link's latency; a worker
             # that sends nothing from cache pays the latency once it computes for c (the Python path's default)
             sending[worker] = tokens[row, worker] != 0
-            fixed[worker] = column[worker] * tokens[row, worker] + extra[row, worker] + latency[home, worker]
+            fixed[worker] = column[worker] * tokens[row, worker] + extra[row, worker] + latency[home, worker] \
+                + (wait[worker] if worker != home and sending[worker] else 0.0)
         estimate = _plan_home(home, column, dispatch[home], queue, homes, lengths, fixed, sending, best, floor,
                               combine_queues, lead, computed, heap_loads, heap_workers, moved[home])
         estimates[home] = estimate

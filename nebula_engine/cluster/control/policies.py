@@ -118,29 +118,31 @@ class NebulaPolicy(Policy):
         depths = view.prefix_matches(keys.pc_keys, now)
         depth = max(depths.values(), default=0)
         prefix_holders = tuple((w, Tier.DEVICE) for w, d in sorted(depths.items()) if d == depth)
-        holders, length = self.copies_past(keys, view, depth, now)
-        up = [w for w, queue in enumerate(view.outstanding()) if queue < math.inf]
+        holders, length, wait = self.copies_past(keys, view, depth, now, self.costs.expected_copies_wait)
+        queues = view.outstanding()
+        up = [w for w, queue in enumerate(queues) if queue < math.inf]
         if not up:
             raise ValueError(NO_WORKER_UP)
         # the lead moves only where its prefix is: a helper without it would prefill the prefix too
         lead_movable = all(depths.get(w, 0) == depth for w in up)
-        readable = {home: readable_copies(holders, length, home, self.costs) for home in up}
+        readable = {home: readable_copies(holders, length, home, self.costs, wait, queues[home]) for home in up}
         if all(copies == holders for copies in readable.values()):  # every copy pays: Algorithm 1 over all homes
-            problem, hit_index, cold_index = self._problem(keys, view, depth, prefix_holders, holders, lead_movable)
+            problem, hit_index, cold_index = self._problem(keys, view, depth, prefix_holders, holders, wait,
+                                                           lead_movable)
             placed = self.scheduler.place(problem)
         else:
             problem, hit_index, cold_index, placed = self._best_home(keys, view, depth, prefix_holders, readable,
-                                                                     lead_movable)
+                                                                     wait, lead_movable)
         plan = self._to_plan(keys, placed, problem, hit_index, cold_index, depth)
         return self._with_repeats(plan, keys, depth)
 
-    def _best_home(self, keys, view, depth, prefix_holders, readable, lead_movable):
+    def _best_home(self, keys, view, depth, prefix_holders, readable, wait, lead_movable):
         """Plan once per home with the hits that home would read, and keep the lowest estimate (ties: the least
         loaded homes, then the seeded RNG, as the planner breaks them). A copy's worth depends on the home, so one
         problem cannot hold it."""
         best, ties = math.inf, []
         for home in sorted(readable):
-            problem, hit_index, cold_index = self._problem(keys, view, depth, prefix_holders, readable[home],
+            problem, hit_index, cold_index = self._problem(keys, view, depth, prefix_holders, readable[home], wait,
                                                            lead_movable)
             placed = self.scheduler.place(problem, homes=(home,))
             if placed.estimate < best:
@@ -150,17 +152,28 @@ class NebulaPolicy(Policy):
         return break_tie(ties, lambda tie: tie[3].home, ties[0][0].outstanding, self.rng)
 
     @staticmethod
-    def copies_past(keys: RequestKeys, view: ClusterView, depth: int, now: float) -> tuple[dict, dict]:
-        """Per PIC content past the prefix hit (its first occurrence): its live copies (worker, tier), by worker,
-        and its tokens."""
-        holders, length = {}, {}
+    def copies_past(keys: RequestKeys, view: ClusterView, depth: int, now: float,
+                    expected_copies_wait: bool = False) -> tuple[dict, dict, dict]:
+        """Per PIC content past the prefix hit (its first occurrence): the copies a plan may read (worker, tier), by
+        worker, its tokens, and, with ``expected_copies_wait``, for a content whose copies do not exist yet, how long
+        their holder works before they do (``ClusterView.wait_tokens``). Copies that exist (or should by now) are
+        then the ones read; with none, only the expected copy that waits least (then the lowest worker id), so that
+        a waited-for copy has one holder whatever the home (``PlanningProblem.source_wait``). Without it, every live
+        copy, as if it were stored (the paper's optimistic accounting)."""
+        holders, length, wait = {}, {}, {}
         for i in keys.pic_indices:
             content = keys.content_ids[i]
             if i >= depth and content not in holders:
-                copies = sorted(view.holders(CacheKind.PIC, content, now).items())
-                holders[content] = tuple((w, record.tier) for w, record in copies)
+                copies = [(view.wait_tokens(record, w) if expected_copies_wait else 0.0, w, record.tier)
+                          for w, record in sorted(view.holders(CacheKind.PIC, content, now).items())]
+                ready = [(w, tier) for waits, w, tier in copies if waits == 0.0]
+                if ready or not copies:
+                    holders[content] = tuple(ready)
+                else:
+                    waits, w, tier = min(copies)
+                    holders[content], wait[content] = ((w, tier),), waits
                 length[content] = keys.tokens[i]
-        return holders, length
+        return holders, length, wait
 
     def combine_cost(self, keys: RequestKeys, depth: int) -> float:
         """C of §7.2 in prefill tokens: the regular tokens past the prefix, plus the backend's combine cost of
@@ -177,8 +190,10 @@ class NebulaPolicy(Policy):
             return 0.0
         return float(keys.prefix_tokens(first_pic) - keys.prefix_tokens(depth))
 
-    def _problem(self, keys, view, depth, prefix_holders, holders, lead_movable=False):
+    def _problem(self, keys, view, depth, prefix_holders, holders, wait, lead_movable=False):
         hits, hit_index, cold, cold_index = [], [], [], []
+        outstanding = view.outstanding()
+        source_wait = [0.0] * len(outstanding)
         if depth:
             hits.append(Hit(keys.prefix_tokens(depth), prefix_holders))
             hit_index.append(-1)
@@ -191,6 +206,9 @@ class NebulaPolicy(Policy):
             if holders[content]:
                 hits.append(Hit(keys.tokens[i], holders[content]))
                 hit_index.append(i)
+                if content in wait:  # one holder (copies_past)
+                    src = holders[content][0][0]
+                    source_wait[src] = max(source_wait[src], wait[content])
             else:
                 cold.append(keys.tokens[i])
                 cold_index.append(i)
@@ -199,7 +217,8 @@ class NebulaPolicy(Policy):
             cold.append(int(lead))
             cold_index.append(LEAD_INDEX)
             combine, lead = combine - lead, 0.0
-        problem = PlanningProblem(tuple(hits), tuple(cold), tuple(view.outstanding()), combine, lead)
+        problem = PlanningProblem(tuple(hits), tuple(cold), tuple(outstanding), combine, lead,
+                                  tuple(source_wait) if any(source_wait) else ())
         return problem, hit_index, cold_index
 
     def _to_plan(self, keys, placed, problem, hit_index, cold_index, depth) -> PrefillPlan:

@@ -31,6 +31,9 @@ class HolderRecord:
     tier: Tier
     confirmed: bool
     expires_at: float  # meaningful only while unconfirmed
+    # while unconfirmed: the holder's drained-token count (``ClusterView.wait_tokens``) at which the copy should
+    # exist, i.e. its count at dispatch plus everything queued there then, the task computing it included
+    ready_mark: float = math.inf
 
     def alive(self, now: float) -> bool:
         return self.confirmed or now < self.expires_at
@@ -65,6 +68,7 @@ class ClusterView:
         self._expiry_heap: list[tuple[float, str, str, int]] = []
         self._reservations: dict[str, tuple[int, float]] = {}
         self._outstanding = [0.0] * num_workers
+        self._drained = [0.0] * num_workers  # tokens of released reservations, per worker, ever
         self._down: set[int] = set()
         self._last_seq: dict[int, int] = {}
         self._lru_model = [OrderedDict() for _ in range(num_workers)]
@@ -94,6 +98,15 @@ class ClusterView:
             for worker in alive:
                 matched[worker] = depth
         return matched
+
+    def wait_tokens(self, record: HolderRecord, worker: int) -> float:
+        """How much of ``worker``'s queue a reader of ``record`` waits for, in prefill tokens: 0 once the copy is
+        stored (confirmed); while it is only expected (recorded on dispatch), the work queued at ``worker`` before
+        it and the task computing it, as counted at dispatch less what has drained since (the engine runs a
+        worker's work in arrival order), and never more than the worker's whole queue now."""
+        if record.confirmed:
+            return 0.0
+        return min(self.outstanding_tokens(worker), max(0.0, record.ready_mark - self._drained[worker]))
 
     # ---- load view ----------------------------------------------------------------------------
     def outstanding_tokens(self, worker: int) -> float:
@@ -130,6 +143,7 @@ class ClusterView:
             return False
         worker, tokens = reservation
         self._outstanding[worker] = max(0.0, self._outstanding[worker] - tokens)
+        self._drained[worker] += tokens
         return True
 
     # ---- optimistic accounting ----------------------------------------------------------------
@@ -155,7 +169,8 @@ class ClusterView:
             return
         ttl = self.config.unconfirmed_ttl_s
         expires = float("inf") if ttl is None else now + ttl
-        self._add(kind, key, worker, HolderRecord(tokens, Tier.DEVICE, False, expires))
+        ready_mark = self._drained[worker] + self._outstanding[worker]
+        self._add(kind, key, worker, HolderRecord(tokens, Tier.DEVICE, False, expires, ready_mark))
         if ttl is not None:
             heapq.heappush(self._expiry_heap, (expires, kind.value, key, worker))
         self._touch_model(kind, key, worker, tokens)
@@ -289,6 +304,7 @@ class ClusterView:
         self._holders = {k: {} for k in CacheKind}
         self._expiry_heap, self._reservations = [], {}
         self._outstanding = [0.0] * self.num_workers
+        self._drained = [0.0] * self.num_workers  # a snapshot's expected copies wait for their holder's whole queue
         self._lru_model = [OrderedDict() for _ in range(self.num_workers)]
         self._lru_used = [0] * self.num_workers
         for kind_value, key, worker, tokens, tier, confirmed, expires in snapshot.entries:

@@ -31,14 +31,16 @@ def measured_cluster_config(spec: ClusterSpec, kv: KVGeometry, prefill_per_token
     A peer's engine runs its work in arrival order, so a combine waits behind its home's queue even when every cold
     segment is computed elsewhere (``combine_queues``; the paper's model gives a combine priority instead), and a
     home whose combine waits for remote KV prefills the prompt's lead meanwhile (``lead_while_waiting``, the
-    worker's ``_prefill_lead``: pass False for an engine whose combines do not start after a cached prefix)."""
+    worker's ``_prefill_lead``: pass False for an engine whose combines do not start after a cached prefix). A pin
+    on a segment its holder has not computed yet waits for that holder's queue, so an expected copy is planned with
+    that wait (``expected_copies_wait``)."""
     base = ClusterProfile.load()
     loopback = TransferLink(bandwidth_bytes_per_s=LOOPBACK_BANDWIDTH_BYTES_PER_S, latency_s=spec.remote_read_latency_s)
     profile = replace(base, name="local-cpu", kv_bytes_per_token=max(1, kv.bytes_per_token), intra_node=loopback,
                       inter_node=loopback, gpus_per_node=len(spec.peers),
                       cache_capacity_tokens=kv.num_pages * kv.page_size, dispatch_s=spec.scatter_dispatch_s,
                       shared_compute=spec.shared_cores and not spec.spans_machines, combine_queues=True,
-                      lead_while_waiting=lead_while_waiting,
+                      lead_while_waiting=lead_while_waiting, expected_copies_wait=True,
                       node_cores=max(1.0, machine_cores() / torch.get_num_threads()),
                       prefill=replace(base.prefill, per_token_s=prefill_per_token_s, fixed_s=PREFILL_FIXED_S))
     return ClusterConfig(num_prefill_workers=len(spec.prefill_peers), profile=profile)
