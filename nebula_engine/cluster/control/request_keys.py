@@ -23,6 +23,11 @@ class TraceRequest(Protocol):
     segments: Sequence[TraceSegment]
 
 
+def token_content_id(token_ids: Sequence[int]) -> str:
+    """Content id of a run of regular tokens: a hash of its token ids."""
+    return xxhash.xxh3_64_hexdigest(repr(tuple(token_ids)).encode())
+
+
 def chain_key(parent: str, content_id: str) -> str:
     """Key of a prefix-cache entry: the segment's content chained on everything before it."""
     return xxhash.xxh64_hexdigest(f"{parent}\x1f{content_id}".encode())
@@ -90,7 +95,7 @@ def prompt_keys(request_id: str, segments: "list[tuple[str, tuple[int, ...]]]", 
     segment's content id hashes its token ids."""
     content_ids, keys, parent = [], [], ""
     for kind, ids in segments:
-        content = pic_key(ids) if kind == "pic" else xxhash.xxh3_64_hexdigest(repr(tuple(ids)).encode())
+        content = pic_key(ids) if kind == "pic" else token_content_id(ids)
         content_ids.append(content)
         parent = chain_key(parent, content)
         keys.append(parent)

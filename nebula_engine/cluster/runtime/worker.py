@@ -33,11 +33,10 @@ from typing import Callable
 
 import msgspec
 import torch
-import xxhash
 
 from nebula_engine.cluster.runtime import wire
 from nebula_engine.cluster.runtime.liveness import Liveness
-from nebula_engine.cluster.control.request_keys import block_segments, prompt_keys
+from nebula_engine.cluster.control.request_keys import block_segments, prompt_keys, token_content_id
 from nebula_engine.cluster.runtime.transfer import KVTransferAgent, TransferError
 from nebula_engine.engine.cluster_port import EngineClusterPort, PrefixPin, SegmentPin
 from nebula_engine.engine.kv_gate import KVGate
@@ -106,7 +105,7 @@ async def _opening(awaitable, gate: KVGate | None, part: str):
 
 def lead_key(token_ids: list[int]) -> str:
     """What a worker tracks a lead it prefills for another peer by (``_computing``), apart from PIC keys."""
-    return "lead/" + xxhash.xxh3_64_hexdigest(repr(tuple(token_ids)).encode())
+    return "lead/" + token_content_id(token_ids)
 
 
 @dataclass(frozen=True)
