@@ -11,7 +11,7 @@ from nebula_engine.cluster.control.config import ClusterConfig, ClusterProfile
 from nebula_engine.cluster.sim.loads import pc_capacity_rps
 from nebula_engine.cluster.control.policies import CACHES, POLICIES, VIEWS
 from nebula_engine.cluster.control.schedulers import SCHEDULERS
-from nebula_engine.cluster.sim.simulator import SimulationConfig, simulate as run_simulation
+from nebula_engine.cluster.sim.simulator import SimulationConfig, check_simulable, simulate as run_simulation
 
 WORKLOAD_NAMES = ("ragpulse", "tau-bench", "chatdev", "swe-agent", "doc2dial", "quac")
 
@@ -20,9 +20,7 @@ def build_profile(options: dict) -> ClusterProfile:
     """The profile file with the command line's overrides applied on top; ValueError for one the simulator cannot
     model."""
     profile = ClusterProfile.load(options["profile"])
-    if profile.lead_while_waiting:
-        raise ValueError(f"profile {profile.name!r} sets lead_while_waiting, a local cluster's engine property the "
-                         f"simulator does not model (it simulates the paper's combine, §7.2)")
+    check_simulable(profile)
     overrides = {field: options[option] for option, field in (("capacity", "cache_capacity_tokens"),
                                                               ("host_capacity", "host_capacity_tokens"))
                  if options[option] is not None}

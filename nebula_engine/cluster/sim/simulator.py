@@ -33,7 +33,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from nebula_engine.cluster.control.config import ClusterConfig
+from nebula_engine.cluster.control.config import ClusterConfig, ClusterProfile
 from nebula_engine.cluster.control.control_plane import ControlPlane
 from nebula_engine.cluster.control.messages import Action, CacheKind, DoneEvent, PrefillPlan, Tier
 from nebula_engine.cluster.control.policies import CACHES, default_cache
@@ -106,14 +106,20 @@ class WorkerQueue:
     busy: bool = False
 
 
+def check_simulable(profile: ClusterProfile) -> None:
+    """ValueError for a profile the simulator cannot model: ``lead_while_waiting`` is a local cluster's engine
+    property (it prefills the lead apart from the combine); the simulator simulates the paper's combine (§7.2)."""
+    if profile.lead_while_waiting:
+        raise ValueError(f"profile {profile.name!r} sets lead_while_waiting, a local cluster's engine property the "
+                         f"simulator does not model (it simulates the paper's combine, §7.2)")
+
+
 class Simulator:
     def __init__(self, config: SimulationConfig, requests: Sequence[Request]):
         if config.cache_name not in CACHES:
             raise ValueError(f"unknown cache {config.cache_name!r}; choose from {sorted(CACHES)}")
         cluster = config.cluster
-        if cluster.profile.lead_while_waiting:  # a local cluster's engine prefills it apart; the paper's does not
-            raise ValueError(f"profile {cluster.profile.name!r} sets lead_while_waiting, a local cluster's engine "
-                             f"property the simulator does not model (it simulates the paper's combine, §7.2)")
+        check_simulable(cluster.profile)
         self.config, self.cluster, self.profile = config, cluster, cluster.profile
         self.requests = list(requests)
         self.control = ControlPlane(cluster, config.policy, config.view, config.scheduler)
