@@ -141,12 +141,13 @@ def test_a_pin_waiting_for_a_combines_own_cold_segment_is_answered_once_it_is_st
                            token_ids=list(segmented.token_ids), segments=[], params=wire.Params(fields={}),
                            pic_backend="epic", sources=[], local_task_ids=[], decode_peer="", compute_here=[0])
     key = port.segment_key("epic", ids)
-    computing = worker._local_keys(combine, segmented)
-    assert computing == [key]
+    local_keys = worker._local_keys(combine, segmented)
+    assert local_keys == {0: key}
+    computing = list(local_keys.values())
     worker._start_computing(computing)
 
     async def prefill_then_pin():
-        made = await worker._prefill_here(combine, segmented, KVGate(["prefill"]), computing)
+        made = await worker._prefill_here(combine, segmented, KVGate(["prefill"]), computing, local_keys)
         await worker.on_pin(wire.PinSegment(sender="reader", tag="s", key=key, num_tokens=12, wait_s=5.0))
         return made
 

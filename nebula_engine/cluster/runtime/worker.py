@@ -213,12 +213,13 @@ class WorkerService:
             if event is not None:
                 event.set()
 
-    def _local_keys(self, msg: wire.Combine, segmented: SegmentedPrompt) -> list[str]:
-        """PIC keys this combine computes here if they are cold (everything not fetched from a peer)."""
+    def _local_keys(self, msg: wire.Combine, segmented: SegmentedPrompt) -> dict[int, str]:
+        """PIC keys this combine computes here if they are cold (everything not fetched from a peer), by PIC
+        segment index."""
         remote = {s.segment_index for s in msg.sources if s.peer and s.peer != self.name}
-        keys = [self.pic_key(msg.pic_backend, segmented.segment_ids(segment))
-                for index, segment in enumerate(segmented.pic_segments) if index not in remote]
-        return [key for key in keys if key]
+        keys = {index: self.pic_key(msg.pic_backend, segmented.segment_ids(segment))
+                for index, segment in enumerate(segmented.pic_segments) if index not in remote}
+        return {index: key for index, key in keys.items() if key}
 
     async def on_scatter(self, msg: wire.Scatter) -> None:
         self._start_computing([msg.key])
@@ -263,7 +264,8 @@ class WorkerService:
         kv = fresh = None
         try:
             segmented = segmented_from_wire(msg.token_ids, msg.segments)
-            computing = self._local_keys(msg, segmented)
+            local_keys = self._local_keys(msg, segmented)
+            computing = list(local_keys.values())
             self._start_computing(computing)
             params = params_from_wire(msg.params)
             backend = msg.pic_backend
@@ -285,7 +287,8 @@ class WorkerService:
                                                     for s in remote)), prefix_read or asyncio.sleep(0))
             kv = asyncio.ensure_future(asyncio.gather(
                 _opening(reads, gate, "reads"),
-                self._prefill_here(msg, segmented, gate, computing) if local_prefill else asyncio.sleep(0, result=[]),
+                self._prefill_here(msg, segmented, gate, computing, local_keys) if local_prefill
+                else asyncio.sleep(0, result=[]),
                 self._prefill_lead(msg, lead, gate, prefix_read) if lead else asyncio.sleep(0)))
 
             async def made_for_request() -> MadeForRequest:
@@ -329,12 +332,12 @@ class WorkerService:
                                            transfers=transfers if task_id == msg.task_id else []))
 
     async def _prefill_here(self, msg: wire.Combine, segmented: SegmentedPrompt, gate: KVGate,
-                            computing: list[str]) -> list[int]:
+                            computing: list[str], local_keys: dict[int, str]) -> list[int]:
         """Prefill the combine's cold segments planned on this worker into its PIC store, then open ``gate``'s
         "prefill" part (on the engine thread, so the combine can run in the next step); the PIC indices of those it
         computed (their tokens are no cache hits when the combine finds them). On failure the combine computes
         them itself. Once they are stored, a peer's pin that waits for them (``computing``, which the combine
-        would release only when it ends) is answered."""
+        would release only when it ends) is answered; ``local_keys``: their PIC keys (``_local_keys``)."""
         segments = [list(segmented.segment_ids(segmented.pic_segments[index])) for index in msg.compute_here]
         try:
             made = await self.engine.prefill_missing_segments(msg.pic_backend, segments, then_open=(gate, "prefill"))
@@ -343,7 +346,7 @@ class WorkerService:
             return []
         finally:
             gate.open("prefill")  # (already open unless the call never ran)
-        stored = [key for key in (self.pic_key(msg.pic_backend, ids) for ids in segments) if key in computing]
+        stored = [local_keys[index] for index in msg.compute_here if local_keys.get(index) in computing]
         for key in stored:
             computing.remove(key)
         self._stop_computing(stored)
