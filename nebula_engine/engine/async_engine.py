@@ -67,6 +67,7 @@ class _Add:
     request: AdmittedRequest
     hold_kv: bool = False
     kv_gate: KVGate | None = None
+    prefill_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -198,6 +199,17 @@ class AsyncLLMEngine:
 
         return await asyncio.get_running_loop().run_in_executor(self._cache_thread, locked)
 
+    async def prefill(self, request_id: str, prompt_token_ids: list[int]) -> RequestOutput:
+        """Compute a plain prompt's K/V into the prefix cache without sampling (``LLMEngine.add_admitted``'s
+        ``prefill_only``: no logits); its finished output, which carries no token."""
+        request = self.admit(list(prompt_token_ids), SamplingParams(max_tokens=1, temperature=0.0), None)
+        channel = _OutputChannel(asyncio.get_running_loop())
+        self._submit(request_id, _Add(request_id, request, prefill_only=True), channel)
+        last = None
+        async for last in self._drain(request_id, channel):
+            pass
+        return last
+
     async def generate_held(self, request_id: str, prompt: EnginePrompt, params: SamplingParams,
                             pic_backend: str | None = ENGINE_DEFAULT, kv_gate: KVGate | None = None) -> RequestOutput:
         """Run a request whose pages stay allocated when it finishes (``LLMEngine.release_held`` frees them);
@@ -313,7 +325,7 @@ class AsyncLLMEngine:
             return  # aborted before it reached the engine
         try:
             self.engine.add_admitted(command.request_id, command.request, hold_kv=command.hold_kv,
-                                     kv_gate=command.kv_gate)
+                                     kv_gate=command.kv_gate, prefill_only=command.prefill_only)
         except Exception as exc:  # the request's fault (ValueError) or the engine's: either way only this one
             self._deliver_last(command.request_id, exc)
             return

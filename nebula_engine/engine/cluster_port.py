@@ -218,12 +218,10 @@ class EngineClusterPort:
 
     # ---- cached prefixes ----
     async def prefill_prefix(self, request_id: str, token_ids: list[int]) -> int:
-        """Prefill ``token_ids`` exactly (PIC off) so that their full pages enter the prefix cache; the tokens of
-        them the prefix cache held before (what a later request counts as hits)."""
-        last, params = None, SamplingParams(max_tokens=1, temperature=0.0)
-        async for last in self._async.generate(request_id, list(token_ids), params, None):
-            pass
-        return last.num_prefix_cached_tokens
+        """Prefill ``token_ids`` exactly (PIC off, no logits: ``AsyncLLMEngine.prefill``) so that their full pages
+        enter the prefix cache; the tokens of them the prefix cache held before (what a later request counts as
+        hits)."""
+        return (await self._async.prefill(request_id, list(token_ids))).num_prefix_cached_tokens
 
     async def cached_prefix_pages(self, token_ids: list[int]) -> int:
         """How many leading pages of ``token_ids`` the prefix cache holds."""

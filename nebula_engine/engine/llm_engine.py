@@ -95,22 +95,29 @@ class LLMEngine:
         return eos
 
     def add_request(self, request_id: str, prompt_token_ids: list[int] | SegmentedPrompt, params: SamplingParams,
-                    prompt: str | None = None, pic_backend: str | None = ENGINE_DEFAULT, hold_kv: bool = False) -> None:
+                    prompt: str | None = None, pic_backend: str | None = ENGINE_DEFAULT, hold_kv: bool = False,
+                    prefill_only: bool = False) -> None:
         """Admit (``admission.admit``) and queue a request. A ``SegmentedPrompt`` (``tokenizer.segment_prompt`` /
         ``segment_chat``) marks its PIC segments; ``pic_backend`` overrides the engine's for this request (None: no
-        PIC, same token ids)."""
-        self.add_admitted(request_id, admit(self, prompt_token_ids, params, pic_backend, prompt), hold_kv)
+        PIC, same token ids). ``prefill_only``: see ``add_admitted``."""
+        self.add_admitted(request_id, admit(self, prompt_token_ids, params, pic_backend, prompt), hold_kv,
+                          prefill_only=prefill_only)
 
     def add_admitted(self, request_id: str, request: AdmittedRequest, hold_kv: bool = False,
-                     kv_gate: KVGate | None = None) -> None:
+                     kv_gate: KVGate | None = None, prefill_only: bool = False) -> None:
         """Queue a request admitted for this engine; it is not checked again. ``kv_gate``: it is not scheduled
-        before that gate opens (KV it needs is still arriving), and keeps its place in the queue meanwhile."""
+        before that gate opens (KV it needs is still arriving), and keeps its place in the queue meanwhile.
+        ``prefill_only``: a plain prompt whose K/V is computed (its full pages enter the prefix cache) and that
+        finishes then without a token, computing no logits (a peer prefilling a prompt's lead for another)."""
         if request_id in self._sequences or request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if prefill_only and (request.segmented is not None or request.params.n > 1 or hold_kv):
+            raise ValueError("prefill_only takes a plain token-id prompt with n = 1 whose pages are not held")
         if request.params.n > 1:
             self._add_parent(request_id, request, hold_kv, kv_gate)
             return
         self._add_sequence(request_id, request, request.params, hold_kv, kv_gate)
+        self._sequences[request_id].prefill_only = prefill_only
 
     def _add_parent(self, request_id: str, request: AdmittedRequest, hold_kv: bool, kv_gate: KVGate | None) -> None:
         if hold_kv:
@@ -274,6 +281,9 @@ class LLMEngine:
         result = self.model_runner.execute_model(output)
         self.scheduler.advance(output, failed=result.failed)
         outputs = [self._fail(seq_id, exc) for seq_id, exc in result.failed.items()]
+        outputs += [self._finish_prefilled(entry.seq) for entry in output.scheduled
+                    if entry.seq.prefill_only and entry.seq_id not in result.failed
+                    and entry.seq.num_computed_tokens == entry.seq.num_tokens]
         for seq_id, (first, entries) in result.prompt_logprobs.items():
             if seq_id in self._sequences:  # not failed in this step's sampling
                 self.output_processor.add_prompt_logprobs(self._sequences[seq_id], first, entries)
@@ -318,6 +328,12 @@ class LLMEngine:
         if decision is None:
             return self.output_processor.snapshot(seq)
         self.scheduler.finish(seq, decision.finish_reason, decision.stop_reason)
+        return self.output_processor.finish(self._sequences.pop(seq.seq_id))
+
+    def _finish_prefilled(self, seq: Sequence) -> RequestOutput:
+        """A ``prefill_only`` sequence whose prompt is computed: finished with no token, as if ``max_tokens`` were
+        0 ("length")."""
+        self.scheduler.finish(seq, "length")
         return self.output_processor.finish(self._sequences.pop(seq.seq_id))
 
     def _fail(self, seq_id: str, exc: Exception) -> RequestOutput:

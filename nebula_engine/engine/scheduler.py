@@ -29,7 +29,7 @@ class ScheduledSequence:
     num_computed_tokens: int  # tokens already in the cache when this step starts
     num_new_tokens: int
     block_table: list[int]  # the sequence's pages; read-only, valid for this step
-    samples: bool  # this step reaches the last known token, so the next one is sampled
+    samples: bool  # this step reaches the last known token, so the next one is sampled (never: prefill_only)
     state_slot: int | None = None  # linear-attention state slot (models with linear-attention layers only)
 
     @property
@@ -197,7 +197,7 @@ class Scheduler:
             seq.num_computed_tokens = 0
 
     def _entry(self, seq: Sequence, num_new: int) -> ScheduledSequence:
-        samples = seq.num_computed_tokens + num_new == seq.num_tokens
+        samples = seq.num_computed_tokens + num_new == seq.num_tokens and not seq.prefill_only
         return ScheduledSequence(seq, seq.num_computed_tokens, num_new, self.kv_cache.block_tables[seq.seq_id], samples,
                                  self.kv_cache.state_slot(seq.seq_id))
 

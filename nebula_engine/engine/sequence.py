@@ -45,6 +45,8 @@ class Sequence:
         self.num_times_passed = 0
         self.hold_kv = False  # keep the pages after finishing, until the engine releases them
         self.kv_gate: KVGate | None = None  # shut while KV it needs is still arriving (a cluster combine)
+        # caches its prompt's KV and finishes without a token: no logits are computed (a cluster peer's lead)
+        self.prefill_only = False
 
     @property
     def waits_for_kv(self) -> bool:

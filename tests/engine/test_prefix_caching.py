@@ -5,6 +5,7 @@ import torch
 
 from nebula_engine import LLM, SamplingParams
 from nebula_engine.kvcache.events import CacheIndex, CacheKind, EvictEvent, Tier
+from nebula_engine.pic.segments import PromptSegment, SegmentedPrompt, SegmentKind
 from tests.model_cases import CASES_BY_NAME
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -201,3 +202,64 @@ def test_disk_hit_waits_in_the_queue_while_others_run_instead_of_blocking_the_st
     kv_cache.cache.flush()  # the disk thread has finished the reads
     step = fake_step(scheduler)
     assert [e.seq_id for e in step.scheduled] == ["b", "a2"] and again.num_cached_tokens == 12
+
+
+def _run_engine(engine) -> dict:
+    """Step ``engine`` until idle; the last output of each request."""
+    last = {}
+    while engine.has_unfinished_requests():
+        last.update((output.request_id, output) for output in engine.step())
+    return last
+
+
+def _counting_logits(engine, monkeypatch) -> list[int]:
+    """Rows each ``compute_logits`` call of ``engine``'s model got, in order."""
+    rows, model = [], engine.model_runner.model
+    original = model.compute_logits
+
+    def counted(hidden):
+        rows.append(hidden.shape[0])
+        return original(hidden)
+
+    monkeypatch.setattr(model, "compute_logits", counted)
+    return rows
+
+
+def test_a_prefill_only_request_caches_its_prompt_without_computing_logits(cached, uncached, monkeypatch):
+    engine = cached.llm_engine
+    rows = _counting_logits(engine, monkeypatch)
+    lead = random_tokens(40, seed=30)  # 5 full pages
+    engine.add_request("lead", lead, GREEDY, prefill_only=True)
+    [done] = _run_engine(engine).values()
+    assert done.finished and done.outputs[0].token_ids == [] and done.outputs[0].finish_reason == "length"
+    assert rows == []  # no logits for it
+    prompt = {"prompt_token_ids": lead + random_tokens(9, seed=31)}
+    [after] = cached.generate(prompt, GREEDY)
+    assert after.num_cached_tokens == 40
+    assert token_ids([after]) == token_ids(uncached.generate(prompt, GREEDY))
+    cached.llm_engine.scheduler.prefix_cache.cache.check_integrity()
+
+
+def test_a_prefill_only_request_batched_with_others_changes_none_of_their_tokens(cached, uncached, monkeypatch):
+    engine = cached.llm_engine
+    rows = _counting_logits(engine, monkeypatch)
+    prompt = random_tokens(21, seed=32)
+    engine.add_request("lead", random_tokens(24, seed=33), GREEDY, prefill_only=True)
+    engine.add_request("other", prompt, GREEDY)
+    first_step = engine.step()
+    assert [o.request_id for o in first_step if o.finished] == ["lead"] and rows[0] == 1  # one row: "other"'s
+    other = _run_engine(engine)["other"]
+    assert other.outputs[0].token_ids == token_ids(uncached.generate({"prompt_token_ids": prompt}, GREEDY))[0]
+
+
+def test_prefill_only_takes_only_a_plain_single_completion_prompt(cached):
+    engine, ids = cached.llm_engine, random_tokens(16, seed=34)
+    with pytest.raises(ValueError, match="prefill_only"):
+        engine.add_request("n2", ids, SamplingParams(n=2, max_tokens=1), prefill_only=True)
+    with pytest.raises(ValueError, match="prefill_only"):
+        engine.add_request("held", ids, GREEDY, hold_kv=True, prefill_only=True)
+    segmented = SegmentedPrompt(tuple(ids), (PromptSegment(SegmentKind.REGULAR, 0, 8),
+                                             PromptSegment(SegmentKind.PIC, 8, 8)))
+    with pytest.raises(ValueError, match="prefill_only"):
+        engine.add_request("pic", segmented, GREEDY, prefill_only=True)
+    assert not engine.has_unfinished_requests()
