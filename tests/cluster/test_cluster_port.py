@@ -260,6 +260,41 @@ def test_a_reader_imports_only_the_prefix_pages_past_those_it_holds(port, engine
     assert run(round_trip(stranger)) == (False, 0, 3)  # released
 
 
+def test_segments_asked_while_the_engine_is_busy_are_prefilled_in_one_forward(port, engine, monkeypatch):
+    """A helper's scatters that wait for the engine thread together are prefilled together; a segment whose backend
+    spec is bad fails alone."""
+    executor = engine.engine.model_runner.pic_executor
+    batches = []
+    original = executor.lookup_or_prefill_many
+
+    def recorded(backend, segments, context_ids=None):
+        batches.append(len(segments))
+        return original(backend, segments, context_ids)
+
+    monkeypatch.setattr(executor, "lookup_or_prefill_many", recorded)
+    wanted = [segment(2000 + 100 * i) for i in range(3)]
+    release = threading.Event()
+
+    async def scenario():
+        busy = asyncio.ensure_future(port._call(lambda e: release.wait(10)))  # the engine thread is in a step
+        calls = [asyncio.ensure_future(port.prefill_segment("epic", ids)) for ids in wanted]
+        bad = asyncio.ensure_future(port.prefill_segment("no-such-backend", segment(2500)))
+        await asyncio.sleep(0)  # every call has asked before the engine thread is free
+        release.set()
+        await busy
+        await asyncio.gather(*calls)
+        with pytest.raises(ValueError):
+            await bad
+        pins = [await port.pin_segment(port.segment_key("epic", ids), len(ids)) for ids in wanted]
+        for pin in pins:
+            if pin is not None:
+                await port.unpin_segment(pin)
+        return [pin is not None for pin in pins]
+
+    assert run(scenario()) == [True, True, True]
+    assert batches == [3]  # one forward for the three (the bad spec never reached the executor)
+
+
 def test_a_prefilled_lead_enters_the_prefix_cache_and_reports_what_it_held_before(port):
     """A home prefills a waiting combine's lead exactly; the combine then finds it as a prefix hit, and counts as
     hits only the pages that were cached before."""
