@@ -20,6 +20,7 @@ from pathlib import Path
 
 import click
 
+from nebula_engine.bench.host_cpu import cpu_jiffies, steal_share
 from nebula_engine.bench.progress import Progress
 from nebula_engine.bench.replay import ReplayOptions, as_sent, replay
 from nebula_engine.bench.report import summarize
@@ -107,10 +108,10 @@ def run_policy(model: str, policy: str, requests, options: CompareOptions, log_d
         replay_options = ReplayOptions(seed=options.seed, max_tokens=options.max_tokens,
                                        max_prompt_tokens=options.max_prompt_tokens)
         progress = Progress(policy, len(requests))
-        cpu_before = cluster.cpu_seconds()
+        cpu_before, jiffies_before = cluster.cpu_seconds(), cpu_jiffies()
         result = asyncio.run(replay(url, requests, options.qps, replay_options,
                                     on_done=lambda record: progress.advance(record.ok)))
-        cpu_after = cluster.cpu_seconds()
+        cpu_after, jiffies_after = cluster.cpu_seconds(), cpu_jiffies()
         states = {name: cluster.state(name) for name in cluster.urls}
     finally:
         cluster.stop()
@@ -126,6 +127,7 @@ def run_policy(model: str, policy: str, requests, options: CompareOptions, log_d
     # CPU the peers used while the workload ran (None without /proc): what each policy costs the shared cores
     summary["peer_cpu_s"] = (sum(cpu_after.values()) - sum(cpu_before.values())
                              if cpu_after and cpu_after.keys() == cpu_before.keys() else None)
+    summary["host_steal"] = steal_share(jiffies_before, jiffies_after)  # None off Linux
     return summary
 
 
@@ -165,11 +167,17 @@ COLUMNS_EXPLAINED = (
     "failed: requests without a complete answer.  KV moved: bytes peers read from each other over NIXL.",
     "peer CPU: CPU seconds all peers used (user + system, every thread) while the requests ran; the peers share "
     "this machine's cores, so work one policy adds delays every request.",
+    "steal: share of this machine's CPU time its hypervisor gave to other guests while the requests ran; where it "
+    "differs between policies, so did the conditions they ran in.",
 )
 
 
 def _cpu(seconds: float | None) -> str:
     return "n/a" if seconds is None else f"{seconds:.1f}s"
+
+
+def _share(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1%}"
 
 
 def format_table(rows: list[dict], bound: float | None = None) -> str:
@@ -180,14 +188,14 @@ def format_table(rows: list[dict], bound: float | None = None) -> str:
         return f"{value / reference:.2f}" if reference else "n/a"
 
     lines = [f"{'policy':<10} {'TTFT p50 s':>10} {'TTFT p99 s':>10} {'CHR':>6} {'p50/pc':>7} {'p99/pc':>7} "
-             f"{'CHR/pc':>7} {'failed':>6} {'KV moved':>10} {'peer CPU':>9}"]
+             f"{'CHR/pc':>7} {'failed':>6} {'KV moved':>10} {'peer CPU':>9} {'steal':>6}"]
     for row in rows:
         lines.append(f"{row['policy']:<10} {row['ttft_p50_s']:>10.3f} {row['ttft_p99_s']:>10.3f} "
                      f"{row['cache_hit_ratio']:>6.1%} {ratio(row['ttft_p50_s'], base['ttft_p50_s']):>7} "
                      f"{ratio(row['ttft_p99_s'], base['ttft_p99_s']):>7} "
                      f"{ratio(row['cache_hit_ratio'], base['cache_hit_ratio']):>7} "
                      f"{row['failed']:>6} {row['transfer_bytes'] / 2**20:>8.1f}MB "
-                     f"{_cpu(row.get('peer_cpu_s')):>9}")
+                     f"{_cpu(row.get('peer_cpu_s')):>9} {_share(row.get('host_steal')):>6}")
     lines += ["", *(f"  {line}" for line in COLUMNS_EXPLAINED)]
     if bound is not None:
         lines.append(f"  The slice's reuse bound (every segment seen before, with an unbounded cache): CHR {bound:.1%}.")

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(not nixl_available(), reason="NIXL is not instal
 
 ROW_KEYS = {"policy", "num_requests", "completed", "failed", "ttft_p50_s", "ttft_p99_s", "cache_hit_ratio",
             "prompt_tokens", "cached_tokens", "transfer_bytes", "ttfts_s",
-            "peer_cpu_s"}
+            "peer_cpu_s", "host_steal"}
 
 
 def test_a_reduced_compare_runs_every_policy_and_writes_its_json_and_png(checkpoint_factory, tmp_path):
@@ -45,6 +45,7 @@ def test_a_reduced_compare_runs_every_policy_and_writes_its_json_and_png(checkpo
         assert len(row["ttfts_s"]) == 8 and 0 < row["ttft_p50_s"] <= row["ttft_p99_s"]
         assert 0 <= row["cache_hit_ratio"] <= bound, (policy, row["cache_hit_ratio"], bound)
         assert row["peer_cpu_s"] is None or row["peer_cpu_s"] > 0  # the peers prefilled 8 prompts
+        assert row["host_steal"] is None or 0 <= row["host_steal"] <= 1
     assert rows["pc"]["cache_hit_ratio"] <= document["pc_hit_ratio_bound"]
     assert rows["local-pic"]["cache_hit_ratio"] > rows["pc"]["cache_hit_ratio"]
     assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -70,4 +71,18 @@ def test_the_table_compares_with_the_first_policy_when_pc_did_not_run():
              "transfer_bytes": 0} for policy, p50 in (("local-pic", 0.2), ("nebula", 0.1))]
     nebula_line = next(line for line in format_table(rows).splitlines() if line.startswith("nebula"))
     assert "0.50" in nebula_line.split()  # p50 ratio against local-pic
-    assert nebula_line.split()[-1] == "n/a"  # peer CPU unknown
+    assert nebula_line.split()[-2:] == ["n/a", "n/a"]  # peer CPU and steal unknown
+
+
+def test_steal_is_the_share_of_cpu_jiffies_stolen_between_two_readings(tmp_path):
+    from nebula_engine.bench.host_cpu import cpu_jiffies, steal_share
+
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 0 50 800 10 0 0 40 0 0\ncpu0 50 0 25 400 5 0 0 20 0 0\n")
+    before = cpu_jiffies(stat)
+    assert before == (40, 1000)
+    stat.write_text("cpu  150 0 50 850 10 0 0 140 0 0\n")
+    assert steal_share(before, cpu_jiffies(stat)) == 100 / 200
+    assert steal_share(before, None) is None and steal_share(before, before) is None
+    stat.write_text("intr 1 2 3\n")
+    assert cpu_jiffies(stat) is None and cpu_jiffies(tmp_path / "missing") is None
