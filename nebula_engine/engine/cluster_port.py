@@ -87,10 +87,10 @@ class EngineClusterPort:
         # a hybrid model's combine starts at position 0 (``Scheduler._match_prefix``): a cached lead does not help it
         self.combines_start_after_prefix: bool = (self.caches_prefixes
                                                   and self._engine.scheduler.kv_cache.state_slots is None)
-        # ``prefill_segment`` calls not yet taken by the engine thread (appended on the event loop, taken there)
+        # ``prefill_segment`` calls not yet taken by the engine thread (appended on the event loop, taken there);
+        # while any wait, an engine call that will take them is on its way
         self._segments_lock = threading.Lock()
         self._segments_asked: list[tuple[Any, list[int], asyncio.Future]] = []
-        self._segment_batch_due = False  # an engine call that will take them is on its way
 
     def transfer_tensors(self) -> list[torch.Tensor]:
         """Every attention layer's KV tensors (not the linear-attention state slots): what NIXL registers."""
@@ -196,9 +196,8 @@ class EngineClusterPort:
         took 113 ms together against 130 ms one after another on the bench model (one thread, median of 12)."""
         done = asyncio.get_running_loop().create_future()
         with self._segments_lock:
+            start_batch = not self._segments_asked
             self._segments_asked.append((backend_spec, list(token_ids), done))
-            start_batch = not self._segment_batch_due
-            self._segment_batch_due = True
         if start_batch:
             asyncio.ensure_future(self._prefill_segments_asked())
         await done
@@ -206,7 +205,6 @@ class EngineClusterPort:
     def _take_segments_asked(self) -> list[tuple[Any, list[int], asyncio.Future]]:
         with self._segments_lock:
             taken, self._segments_asked = self._segments_asked, []
-            self._segment_batch_due = False
         return taken
 
     async def _prefill_segments_asked(self) -> None:
