@@ -116,8 +116,7 @@ class LLMEngine:
         if request.params.n > 1:
             self._add_parent(request_id, request, hold_kv, kv_gate)
             return
-        self._add_sequence(request_id, request, request.params, hold_kv, kv_gate)
-        self._sequences[request_id].prefill_only = prefill_only
+        self._add_sequence(request_id, request, request.params, hold_kv, kv_gate, prefill_only)
 
     def _add_parent(self, request_id: str, request: AdmittedRequest, hold_kv: bool, kv_gate: KVGate | None) -> None:
         if hold_kv:
@@ -132,11 +131,12 @@ class LLMEngine:
             self._add_sequence(child_id, request, request.params.for_completion(index), False, kv_gate)
 
     def _add_sequence(self, request_id: str, request: AdmittedRequest, params: SamplingParams, hold_kv: bool,
-                      kv_gate: KVGate | None = None) -> None:
+                      kv_gate: KVGate | None = None, prefill_only: bool = False) -> None:
         backend = request.backend if request.segmented is not None else None  # it combines PIC segments only
         seq = Sequence(request_id, request.token_ids, params, request.text, request.segmented, backend)
         seq.hold_kv = hold_kv
         seq.kv_gate = kv_gate
+        seq.prefill_only = prefill_only
         self._sequences[request_id] = seq
         self.output_processor.add(seq)
         self.scheduler.add(seq)
