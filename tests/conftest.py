@@ -52,6 +52,20 @@ def smollm2_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def qwen05_path() -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct's GGUF, which ``make install`` downloads; skipped, naming the command that
+    fetches it, where it is absent (but not in CI, whose ``make install`` must have fetched it)."""
+    from nebula_engine.catalog import ModelNotDownloaded, resolve_model
+
+    try:
+        return Path(resolve_model("qwen2.5-coder-0.5b"))
+    except ModelNotDownloaded as exc:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
 def smollm2_llm(smollm2_path):
     """SmolLM2 through our engine, fp32, loaded once for the whole suite (a load takes seconds)."""
     pytest.importorskip("gguf", reason="SmolLM2 is a GGUF file: pip install 'nebula-engine[gguf]'")

@@ -75,7 +75,7 @@ def _encode(name: str, tensor: torch.Tensor, qtype, seed: int) -> tuple[np.ndarr
 
 def write_gguf(checkpoint: Path, out: Path, qtype=Q.F32, *, tokenizer: bool = False, architecture: str | None = None,
                extra_metadata: dict | None = None, tensor_types: dict | None = None) -> Path:
-    """A GGUF of the HF checkpoint ``checkpoint`` (llama or qwen3) at ``out``.
+    """A GGUF of the HF checkpoint ``checkpoint`` (llama, qwen2 or qwen3) at ``out``.
 
     ``architecture`` overrides the one written (for error tests); ``extra_metadata`` adds ``{key: value}``
     (strings, ints, floats); ``tensor_types`` stores named GGUF tensors as raw bytes of another type.
@@ -89,8 +89,8 @@ def write_gguf(checkpoint: Path, out: Path, qtype=Q.F32, *, tokenizer: bool = Fa
         {str: writer.add_string, int: writer.add_uint32, float: writer.add_float32}[type(value)](key, value)
     if tokenizer:
         _write_sentencepiece_vocab(writer, checkpoint)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA if family == "llama" else gguf.MODEL_ARCH.QWEN3,
-                                     config["num_hidden_layers"])
+    model_arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2}.get(family, gguf.MODEL_ARCH.QWEN3)
+    names = gguf.get_tensor_name_map(model_arch, config["num_hidden_layers"])
     for seed, (hf_name, tensor) in enumerate(sorted(load_file(checkpoint / "model.safetensors").items())):
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if family == "llama" and ".attn_q." in name:

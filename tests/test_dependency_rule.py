@@ -15,8 +15,9 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "nebula_engine"
 
-# Modules shared by every layer: optional-dependency lookup, device and port checks, argparse value types.
-BASE = {"extras", "devices", "ports", "cli_types"}
+# Modules shared by every layer: optional-dependency lookup, device and port checks, argparse value types, the model
+# catalog and its downloader.
+BASE = {"extras", "devices", "ports", "cli_types", "catalog", "download"}
 # The two pure-Python cache types the control plane shares with the engine (no torch behind them).
 SHARED_TYPES = {"nebula_engine.kvcache.events", "nebula_engine.pic.segments"}
 
@@ -40,7 +41,7 @@ ALLOWED: dict[str, set[str]] = {
 def unit_of(module: str) -> str:
     """The unit a module belongs to; CLI command modules and the package root sit above everything."""
     parts = module.split(".")
-    if len(parts) == 1 or parts[-1] == "commands" or parts[-1].endswith("_command") or parts[1] == "cli":
+    if len(parts) == 1 or parts[-1] == "commands" or parts[-1].endswith("_command") or parts[1] in ("cli", "__main__"):
         return "cli"
     if parts[1] == "cluster":
         return "cluster." + parts[2] if len(parts) > 2 else "cluster"

