@@ -22,6 +22,8 @@ linear-attention layers + 1 full-attention layer.
     python tools/bench_forward.py                                   # random Mistral, hidden 512, 8 layers
     python tools/bench_forward.py --family deepseek_v2 --hidden-size 256 --num-layers 4
     python tools/bench_forward.py --model smollm2 --threads 2       # a real model, as it is
+
+``--write-docs`` also writes the figures to the results page docs/results/engine-speed.md.
 """
 
 from __future__ import annotations
@@ -54,10 +56,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--hf-forward", action="store_true",
                         help="also time transformers' bare forward loop for decode (no generate overhead)")
     parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--quantization", choices=["gguf", "float32"], default="gguf",
+                        help="a GGUF --model's weights: kept in their blocks (gguf) or dequantized at load (float32)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="cpu: this process's CPU time instead of wall time, for a machine others load "
                              "(with --threads 1 it is the time the work takes when the core is ours)")
+    parser.add_argument("--write-docs", action="store_true",
+                        help="also write the results page docs/results/engine-speed.md")
     return parser.parse_args()
 
 
@@ -110,7 +116,7 @@ class OursRunner:
         decode_tokens = batch * (args.decode_prompt_len + args.decode_steps + 1)
         pages = -(-max(decode_tokens, args.prompt_len + 1) // args.page_size) + batch
         self.engine = LLMEngine(EngineConfig.create(
-            checkpoint, page_size=args.page_size, num_pages=pages, max_num_seqs=batch,
+            checkpoint, page_size=args.page_size, num_pages=pages, max_num_seqs=batch, quantization=args.quantization,
             max_num_batched_tokens=max(args.prompt_len, batch * args.decode_prompt_len)))
         self._next_id = 0
 
@@ -256,6 +262,29 @@ def best_of(runners: dict, repeats: int, fn) -> dict[str, float]:
     return best
 
 
+PAGE_ABOUT = ("Prefill and batched decode throughput of this engine's real path (scheduler, model runner, paged KV "
+              "cache, sampler) against Hugging Face transformers on the same weights in the same process, fp32, "
+              "runners alternating repeat by repeat, the best repeat counted. Decode is tokens/s of the decode steps "
+              "of N concurrent requests against transformers `generate` with the same batch, greedy. '% of limit' is "
+              "the achieved GFLOP/s over this machine's fp32 GEMM limit (a 2048^3 matmul with the same threads).")
+
+
+def limit_share(fraction_text: str) -> str:
+    """The share in ``fraction``'s text: '12.3 GFLOP/s = 45.6% of limit' -> '45.6%'."""
+    return fraction_text.split("= ")[-1].removesuffix(" of limit").strip()
+
+
+def engine_speed_page(header: str, rows: list[tuple], limits: tuple[float, float]):
+    from nebula_engine.bench.results_page import ResultsPage, Table
+
+    table = Table(("figure", "ours tok/s", "ours % of limit", "transformers tok/s", "ours / transformers"),
+                  tuple(rows), caption=header)
+    notes = ("transformers runs `generate` for decode and its bare forward for prefill; above 1.00 we are faster.",
+             f"GEMM limit {limits[0]:.1f} GFLOP/s at the start, {limits[1]:.1f} at the end (how much the machine's "
+             "load changed meanwhile).")
+    return ResultsPage("engine-speed", "Engine speed against transformers", PAGE_ABOUT, (table,), notes)
+
+
 def main() -> None:
     args = parse_args()
     global clock
@@ -294,6 +323,9 @@ def main() -> None:
                           lambda r, i: r.prefill(random_prompts(1, args.prompt_len, vocab, seed=1 + i)))
         tokens, context = args.prompt_len, (args.prompt_len + 1) / 2  # causal: a token sees half on average
         ours_rate, hf_rate = tokens / prefill["ours"], tokens / prefill["hf"]
+        page_rows = [(f"prefill, {tokens} tokens", f"{ours_rate:.1f}",
+                      limit_share(fraction(ours_rate, context, 1 / tokens)), f"{hf_rate:.1f} (forward)",
+                      f"{ours_rate / hf_rate:.2f}x")]
         print(f"prefill {tokens} tokens       ours {ours_rate:8.1f} tok/s ({fraction(ours_rate, context, 1 / tokens)})   "
               f"HF {hf_rate:8.1f} tok/s ({fraction(hf_rate, context, 1 / tokens)})   ours/HF {ours_rate / hf_rate:.2f}x",
               flush=True)
@@ -311,7 +343,18 @@ def main() -> None:
                 line += (f"   HF forward {rates['hf-forward']:8.1f} tok/s, "
                          f"ours/HF forward {rates['ours'] / rates['hf-forward']:.2f}x")
             print(line, flush=True)
-    print(f"GEMM limit again at the end: {gemm_gflops():.1f} GFLOP/s (the machine's load changed by this much)")
+            page_rows.append((f"decode, {batch} requests x {args.decode_prompt_len} prompt tokens",
+                              f"{rates['ours']:.1f}", limit_share(fraction(rates["ours"], context)),
+                              f"{rates['hf-generate']:.1f} (generate)", f"{rates['ours'] / rates['hf-generate']:.2f}x"))
+        header = (f"{args.model or args.family}: hidden {config.hidden_size}, {config.num_hidden_layers} layers, "
+                  f"{weights / 1e6:.1f} M matmul weights per token, fp32, {torch.get_num_threads()} threads, "
+                  f"{args.clock} clock")
+    end_limit = gemm_gflops()
+    print(f"GEMM limit again at the end: {end_limit:.1f} GFLOP/s (the machine's load changed by this much)")
+    if args.write_docs:
+        from nebula_engine.bench.results_page import write_page
+
+        print(f"wrote {write_page(engine_speed_page(header, page_rows, (limit, end_limit)))}")
 
 
 if __name__ == "__main__":

@@ -37,9 +37,11 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         dtype = getattr(torch, config.dtype)
-        model, self.model_config, checkpoint_dir = load_model(config.model, dtype, config.device, config.revision)
+        model, self.model_config, checkpoint_dir = load_model(config.model, dtype, config.device, config.revision,
+                                                              config.quantization)
         # None with skip_tokenizer_init: prompts are token ids and outputs carry token ids only
-        self.tokenizer = None if config.skip_tokenizer_init else Tokenizer(config.tokenizer or checkpoint_dir)
+        self.tokenizer = None if config.skip_tokenizer_init else Tokenizer(config.tokenizer or checkpoint_dir,
+                                                                           config.chat_template)
         groups = model.kv_cache_groups(dtype)
         page_size = config.cache.page_size
         # linear-attention layers: one state slot per sequence that can run at once

@@ -10,6 +10,9 @@ The packed copy is built by ``prepack`` when the model is loaded (else on first 
 counter moves) and dropped with the weight. Anything else (autograd, other devices or dtypes, weights made under
 ``inference_mode``, no oneDNN) takes ``F.linear``, and so does everything when the environment sets
 ``NEBULA_CPU_PREPACK=0`` (to save the memory of the copies).
+
+A weight may also be a ``QuantizedWeight`` (GGUF blocks, ``quant_linear``): ``linear`` then runs the fused
+dequantize-and-multiply kernel, and ``Linear.use_quantized_weight`` puts one in place of a module's fp32 parameter.
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
+
+from nebula_engine.kernels.quant_linear import (AnyQuantizedWeight, QuantizedWeight, StackedQuantizedWeight,
+                                                 quantized_linear)
 
 PREPACK_ENV = "NEBULA_CPU_PREPACK"
 _ENABLED = torch.backends.mkldnn.is_available() and os.environ.get(PREPACK_ENV, "1") != "0"
@@ -63,9 +69,9 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-def _packable(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
-            and not weight.is_inference())
+def _packable(weight: torch.Tensor | AnyQuantizedWeight) -> bool:
+    return (isinstance(weight, torch.Tensor) and weight.device.type == "cpu" and weight.dtype == torch.float32
+            and weight.dim() == 2 and not weight.is_inference())
 
 
 def prepack(module: nn.Module) -> int:
@@ -86,8 +92,11 @@ def prepack(module: nn.Module) -> int:
     return count
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``: x [..., in], weight [out, in], bias [out] -> [..., out]."""
+def linear(x: torch.Tensor, weight: torch.Tensor | AnyQuantizedWeight,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``: x [..., in], weight [out, in] (fp32 or quantized), bias [out] -> [..., out]."""
+    if isinstance(weight, (QuantizedWeight, StackedQuantizedWeight)):
+        return quantized_linear(x, weight, bias)
     if not _packs(x, weight):
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight(weight), bias, "none", [], "")
@@ -98,9 +107,18 @@ class Linear(nn.Linear):
 
     fused = False  # its weight is a slice of a fused one (``FusedProjections``): the forward does not use it
 
-    def linear_weights(self) -> tuple[torch.Tensor, ...]:
+    def linear_weights(self) -> tuple[torch.Tensor | AnyQuantizedWeight, ...]:
         """The weights this module's forward passes to ``linear`` (what ``prepack`` packs)."""
         return () if self.fused else (self.weight,)
+
+    def use_quantized_weight(self, weight: QuantizedWeight) -> None:
+        """Compute with ``weight``'s blocks from now on; the fp32 ``weight`` parameter is dropped (it leaves the
+        module's parameters and state dict: the blocks are not a parameter)."""
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"a quantized weight {list(weight.shape)} cannot replace a "
+                             f"[{self.out_features}, {self.in_features}] linear weight")
+        del self.weight
+        self.weight = weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)

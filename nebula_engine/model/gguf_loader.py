@@ -1,9 +1,10 @@
 """A llama.cpp GGUF file as a checkpoint: its metadata as an HF-style config, its tensors under HF names.
 
 Tensors are dequantized (any type ``gguf.quants.dequantize`` knows: F32, F16, BF16, Q4_0 ... Q8_0, the
-K-quants, ...) and cast to the engine dtype; the model then computes in that dtype. llama.cpp stores the
-q/k rows of ``llama`` models permuted for its interleaved RoPE; they are put back in HF's neox order here.
-Needs the optional ``gguf`` package: ``pip install 'nebula-engine[gguf]'``.
+K-quants, ...) and cast to the engine dtype; the model then computes in that dtype. An fp32 model on CPU can keep
+the linear layers' blocks instead (``weights(keep_blocks=True)``), computed by ``kernels.quant_linear``.
+llama.cpp stores the q/k rows of ``llama`` models permuted for its interleaved RoPE; they are put back in HF's
+neox order here. Needs the optional ``gguf`` package: ``pip install 'nebula-engine[gguf]'``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
+
+from nebula_engine.kernels import quant_linear
+from nebula_engine.kernels.quant_linear import QuantizedWeight
 
 GGUF_EXTRA = "reading GGUF files needs the 'gguf' extra: pip install 'nebula-engine[gguf]'"
 
@@ -29,6 +33,7 @@ class GGUFArchitecture:
 # general.architecture -> how to read it; a dense decoder with GGUF's standard tensor names
 ARCHITECTURES = {
     "llama": GGUFArchitecture("llama", permuted_qk=True, tokenizer_class="TokenizersBackend"),
+    "qwen2": GGUFArchitecture("qwen2", permuted_qk=False, tokenizer_class="Qwen2Tokenizer"),
     "qwen3": GGUFArchitecture("qwen3", permuted_qk=False, tokenizer_class="Qwen2Tokenizer"),
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -125,19 +130,42 @@ class GGUFCheckpoint:
         raise ValueError(f"GGUF RoPE scaling {described} is not supported; "
                          "supported: none, linear, llama3 (rope_freqs)")
 
-    def weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, tensor in ``dtype``) for every model tensor, dequantized one at a time."""
+    def weights(self, dtype: torch.dtype,
+                keep_blocks: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+        """(HF name, tensor in ``dtype``) for every model tensor, dequantized one at a time.
+
+        With ``keep_blocks`` (asked for an fp32 model on CPU) a 2-D tensor stored in a block type that the CPU
+        quantized-linear kernel computes with (F16, BF16, Q4_0 ... Q8_0, Q4_K, Q5_K, Q6_K) comes as a
+        ``QuantizedWeight``: its blocks, a view of the file's read-only mapping, not a copy (llama's q/k rows, put
+        back in HF's order, are the exception). The weight loader puts those in the linear layers and dequantizes
+        the others (the embedding table, which lookups read by rows). A tied model's embedding comes once more as
+        ``lm_head.weight``, for the LM head to compute with its blocks. Without the kernel (no compiler) every
+        tensor is dequantized.
+        """
         config = self.hf_config()
+        keep_blocks = keep_blocks and dtype == torch.float32 and quant_linear.load()
         for name, tensor in self._tensors.items():
             if name == _ROPE_FREQS:
                 continue
             hf_name = self._hf_name(name)
-            values = torch.from_numpy(np.require(self._dequantize(tensor), requirements="W"))
+            values = self._blocks(tensor) if keep_blocks else None
+            if values is None:
+                values = torch.from_numpy(np.require(self._dequantize(tensor), requirements="W")).to(dtype)
             if self._arch.permuted_qk and ".attn_q." in name:
-                values = unpermute_rows(values, config["num_attention_heads"])
+                values = _unpermuted(values, config["num_attention_heads"])
             elif self._arch.permuted_qk and ".attn_k." in name:
-                values = unpermute_rows(values, config["num_key_value_heads"])
-            yield hf_name, values.to(dtype)
+                values = _unpermuted(values, config["num_key_value_heads"])
+            yield hf_name, values
+        embedding = self._tensor("token_embd.weight")
+        if keep_blocks and config["tie_word_embeddings"] and (head := self._blocks(embedding)) is not None:
+            yield "lm_head.weight", head
+
+    def _blocks(self, tensor) -> QuantizedWeight | None:
+        """The tensor's blocks where the kernel computes with them (F32 stays a tensor: the fp32 path packs it)."""
+        if len(tensor.shape) != 2 or tensor.qtype.name == "F32" or not quant_linear.computes(tensor.qtype,
+                                                                                              tensor.shape[1]):
+            return None
+        return QuantizedWeight.from_numpy(self._file.tensor_bytes(tensor), tensor.qtype, tensor.shape)
 
     def _hf_name(self, name: str) -> str:
         stem, _, kind = name.rpartition(".")
@@ -164,6 +192,13 @@ class GGUFCheckpoint:
             raise ValueError(f"GGUF tensor {tensor.name} is {tensor.qtype.name}, a type the gguf package "
                              "cannot dequantize") from exc
         return values.astype(np.float32, copy=False).reshape(tensor.shape)
+
+
+def _unpermuted(values: torch.Tensor | QuantizedWeight, num_heads: int) -> torch.Tensor | QuantizedWeight:
+    """``unpermute_rows`` of values, or of blocks: a row of blocks is one row of values."""
+    if isinstance(values, QuantizedWeight):
+        return QuantizedWeight(unpermute_rows(values.data, num_heads), values.qtype, values.shape)
+    return unpermute_rows(values, num_heads)
 
 
 def unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

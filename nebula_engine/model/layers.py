@@ -12,28 +12,40 @@ from torch import nn
 
 from nebula_engine.kernels.attention import AttentionContext
 from nebula_engine.kernels.cpu_linear import Linear, linear
+from nebula_engine.kernels.quant_linear import QuantizedWeight, StackedQuantizedWeight
 from nebula_engine.model.config import ModelConfig
 from nebula_engine.model.rotary import RotaryEmbedding
 
 
 @torch.no_grad()
-def fuse_linear_weights(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+def fuse_linear_weights(*linears: nn.Linear) -> tuple[torch.Tensor | StackedQuantizedWeight, torch.Tensor | None]:
     """One weight [sum of out features, in] (and bias) whose row slices become the linears' own parameters.
 
     Names, shapes and values of the parameters stay as they were (checkpoints load into the slices), and
     one matmul computes every projection of the same input: a decode step then reads each weight once
     with one kernel launch instead of one per projection (what vLLM's ``QKVParallelLinear`` and
     ``MergedColumnParallelLinear`` do).
+
+    Children that compute with GGUF blocks (``QuantizedWeight``) keep them: the fused weight is then the stack of
+    the children's weights, read in place (each row is whole blocks, so rows stack), any fp32 child joining it as
+    F32 rows. The bias is fused the same way in both cases.
     """
-    weight = torch.cat([child.weight for child in linears])
+    weights = [child.weight for child in linears]
     has_bias = [child.bias is not None for child in linears]
     if any(has_bias) and not all(has_bias):
         raise ValueError("fused projections must all have a bias or all have none")
     bias = torch.cat([child.bias for child in linears]) if all(has_bias) else None
+    quantized = any(isinstance(w, QuantizedWeight) for w in weights)
+    if quantized:
+        weight = StackedQuantizedWeight(tuple(w if isinstance(w, QuantizedWeight) else QuantizedWeight.from_float(w)
+                                              for w in weights))
+    else:
+        weight = torch.cat(weights)
     start = 0
     for child in linears:
         rows = slice(start, start + child.out_features)
-        child.weight = nn.Parameter(weight[rows], requires_grad=child.weight.requires_grad)
+        if not quantized:
+            child.weight = nn.Parameter(weight[rows], requires_grad=child.weight.requires_grad)
         if bias is not None:
             child.bias = nn.Parameter(bias[rows], requires_grad=child.bias.requires_grad)
         start += child.out_features
@@ -45,7 +57,7 @@ class FusedProjections(nn.Module):
 
     ``fuse(name, *linears)`` keeps ``self.<name>_weight`` / ``<name>_bias`` (plain attributes: not in the
     state dict, whose names stay Hugging Face's). ``.to()`` and friends give each parameter new storage,
-    so the fusion is rebuilt after them.
+    so the fusion is rebuilt after them; ``refuse`` rebuilds it after children took quantized weights.
     """
 
     def __init__(self):
@@ -61,14 +73,18 @@ class FusedProjections(nn.Module):
         setattr(self, f"{name}_weight", weight)
         setattr(self, f"{name}_bias", bias)
 
-    def linear_weights(self) -> tuple[torch.Tensor, ...]:
+    def linear_weights(self) -> tuple[torch.Tensor | StackedQuantizedWeight, ...]:
         """The fused weights (``cpu_linear.prepack``); the children's slices are not used on their own."""
         return tuple(getattr(self, f"{name}_weight") for name in self._fused)
 
-    def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
+    def refuse(self) -> None:
+        """Rebuild every fused weight from the children's current ones."""
         for name, child_names in self._fused.items():
             self.fuse(name, *child_names)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.refuse()
         return self
 
 
@@ -98,7 +114,8 @@ class RopeAttention(FusedProjections):
     """Multi-head attention with GQA, RoPE and optional per-head QK-norm (Qwen3).
 
     ``output_gate`` (Qwen3.5): q_proj also yields a per-head gate; the output is ``out * sigmoid(gate)``
-    before o_proj. ``zero_centered_norm`` makes the QK-norms multiply by ``(1 + w)``.
+    before o_proj. ``zero_centered_norm`` makes the QK-norms multiply by ``(1 + w)``. ``qkv_bias`` (Qwen2) puts a
+    bias on q/k/v alone; by default ``config.attention_bias`` decides for all four projections (Llama).
 
     ``attn_layer_idx`` is this layer's index among the model's attention layers, i.e. into
     ``AttentionContext.kv_caches`` (not the decoder-layer index, which differs in hybrid models).
@@ -107,7 +124,7 @@ class RopeAttention(FusedProjections):
     latent_rope_dim: int | None = None  # caches K and V, not a latent (see ``MLAttention.latent_rope_dim``)
 
     def __init__(self, config: ModelConfig, attn_layer_idx: int, qk_norm: bool = False, output_gate: bool = False,
-                 zero_centered_norm: bool = False, sliding_window: int | None = None):
+                 zero_centered_norm: bool = False, sliding_window: int | None = None, qkv_bias: bool | None = None):
         super().__init__()
         self.attn_layer_idx = attn_layer_idx
         self.sliding_window = sliding_window
@@ -117,11 +134,12 @@ class RopeAttention(FusedProjections):
         self.scale = self.head_dim**-0.5
         self.output_gate = output_gate
         bias = config.attention_bias
+        in_bias, out_bias = (bias, bias) if qkv_bias is None else (qkv_bias, False)
         q_width = self.num_heads * self.head_dim * (2 if output_gate else 1)
-        self.q_proj = Linear(config.hidden_size, q_width, bias=bias)
-        self.k_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_proj = Linear(config.hidden_size, q_width, bias=in_bias)
+        self.k_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=in_bias)
+        self.v_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=in_bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=out_bias)
         self.qk_norm = qk_norm
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, zero_centered_norm)

@@ -18,6 +18,7 @@ from nebula_engine.model.config import ModelConfig
 from nebula_engine.model.registry import get_model_class
 
 _HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.tiktoken", "*.model", "*.txt"]
+QUANTIZATIONS = ("gguf", "float32")  # what a GGUF file's quantized weights become (``load_model``)
 
 
 def resolve_checkpoint(model: str, revision: str | None = None) -> Path:
@@ -107,19 +108,25 @@ def build_model(config: ModelConfig, dtype: torch.dtype = torch.float32,
         return model_class(config)
 
 
-def load_model(model: str, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu", revision: str | None = None) -> tuple[nn.Module, ModelConfig, Path]:
+def load_model(model: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               revision: str | None = None, quantization: str = "gguf") -> tuple[nn.Module, ModelConfig, Path]:
     """Resolve ``model`` (dir, .gguf file or hub id at ``revision``), build it and load its weights.
+
+    ``quantization`` (``QUANTIZATIONS``) says what a GGUF file's quantized linear weights become on CPU in fp32:
+    "gguf" keeps their blocks (``kernels.quant_linear``), "float32" dequantizes them at load. Other devices and
+    dtypes always dequantize (the quantized kernel is CPU-only).
 
     Returns (module, config, source): the checkpoint directory or the .gguf file, where its tokenizer is too.
     """
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     source = resolve_checkpoint(model, revision)
     if source.suffix == ".gguf" and source.is_file():
         from nebula_engine.model.gguf_loader import GGUFCheckpoint
 
         gguf = GGUFCheckpoint(source)
         config = ModelConfig.from_hf(gguf.hf_config())
-        weights = gguf.weights(dtype)
+        weights = gguf.weights(dtype, keep_blocks=quantization == "gguf" and torch.device(device).type == "cpu")
     else:
         config = ModelConfig.from_hf(source)
         weights = iter_safetensors(safetensors_files(source))

@@ -3,6 +3,9 @@
 The only renaming is for MoE experts stored one by one on disk
 (``...experts.{e}.{gate,up,down}_proj.weight``), which land in slices of the stacked
 ``experts.gate_up_proj`` [E, 2I, Hd] / ``experts.down_proj`` [E, Hd, I] parameters.
+
+A checkpoint tensor may come as GGUF blocks (``QuantizedWeight``): a CPU fp32 linear layer then computes with the
+blocks in place of its parameter; anything else (an embedding, another device or dtype) gets them dequantized.
 """
 
 from __future__ import annotations
@@ -13,6 +16,10 @@ from typing import Iterable
 
 import torch
 from torch import nn
+
+from nebula_engine.kernels.cpu_linear import Linear
+from nebula_engine.kernels.quant_linear import QuantizedWeight
+from nebula_engine.model.layers import FusedProjections
 
 _PER_EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<part>gate|up|down)_proj\.weight$")
 
@@ -53,22 +60,58 @@ def _copy_checked(dest: torch.Tensor, name: str, tensor: torch.Tensor) -> None:
     dest.copy_(tensor)
 
 
+def _block_taker(model: nn.Module, name: str, tied_lm_head: bool) -> Linear | None:
+    """The linear layer that computes with GGUF blocks for checkpoint tensor ``name``: an fp32 CPU ``Linear``
+    weight. Not an untied LM head: the model keeps that one transposed (``CausalLM._store_lm_head_transposed``)."""
+    module_name, _, kind = name.rpartition(".")
+    if kind != "weight" or (name == "lm_head.weight" and not tied_lm_head):
+        return None
+    try:
+        module = model.get_submodule(module_name)
+    except AttributeError:
+        return None
+    weight = getattr(module, "weight", None)
+    if (isinstance(module, Linear) and isinstance(weight, torch.Tensor) and weight.device.type == "cpu"
+            and weight.dtype == torch.float32):
+        return module
+    return None
+
+
+def _take_blocks(module: Linear, name: str, blocks: QuantizedWeight) -> None:
+    if tuple(module.weight.shape) != tuple(blocks.shape):
+        raise ValueError(f"shape mismatch for checkpoint tensor {name}: checkpoint {tuple(blocks.shape)}, "
+                         f"model expects {tuple(module.weight.shape)}")
+    module.use_quantized_weight(blocks)
+
+
 @torch.no_grad()
-def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]],
                        ignore: Iterable[str] = (), tied_lm_head: bool = False) -> None:
     """Load every parameter of ``model`` from ``weights``; raise naming any missing or odd tensor.
 
     ``ignore`` holds regexes of checkpoint names to skip. With ``tied_lm_head`` the checkpoint's
-    ``lm_head.weight`` (if any) is skipped; without it ``lm_head.weight`` is required like any other
+    ``lm_head.weight`` (if any) is skipped, unless it comes as blocks the LM head can compute with (the
+    embedding keeps its own table); without it ``lm_head.weight`` is required like any other
     tensor, since silently tying an untied model would produce wrong logits.
     """
     params = dict(model.named_parameters())
     ignore_patterns = [re.compile(p) for p in ignore]
     filled = dict.fromkeys(params, 0)  # elements written per parameter
     per_expert_loaded: dict[str, set[str]] = defaultdict(set)  # stacked name -> per-expert names
+    took_blocks = False
     for name, tensor in weights:
-        if any(p.search(name) for p in ignore_patterns) or (tied_lm_head and name == "lm_head.weight"):
+        if any(p.search(name) for p in ignore_patterns):
             continue
+        if isinstance(tensor, QuantizedWeight) and (module := _block_taker(model, name, tied_lm_head)) is not None:
+            _take_blocks(module, name, tensor)
+            if name in params:  # not a tied head: the embedding's parameter is still to be loaded
+                filled[name] = params[name].numel()
+            took_blocks = True
+            continue
+        if tied_lm_head and name == "lm_head.weight":
+            continue
+        if isinstance(tensor, QuantizedWeight):
+            tensor = tensor.dequantize()
         if name in params:
             target, dest = name, params[name].data
         elif (expert := _expert_slice(params, name)) is not None:
@@ -78,6 +121,10 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
             raise ValueError(f"checkpoint tensor {name} has no matching model parameter")
         _copy_checked(dest, name, tensor)
         filled[target] += dest.numel()
+    if took_blocks:  # fused weights were built from the parameters the blocks replaced
+        for module in model.modules():
+            if isinstance(module, FusedProjections):
+                module.refuse()
     missing = []
     for name, count in filled.items():
         if count == params[name].numel():

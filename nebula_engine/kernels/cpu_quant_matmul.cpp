@@ -1,0 +1,513 @@
+// y[M, N] = x[M, K] @ dequant(W[N, K]).T on CPU, W in ggml's block formats, fp32 activations and accumulation.
+// Built by quant_linear.py with torch's cpp_extension; runs on torch's own thread pool (at::parallel_for).
+//
+// Every block type is read 32 values at a time (a "chunk": one Q4_0..Q8_0 block, one K-quant sub-block, 32 F16
+// values), dequantized as gguf.quants.dequantize does it. Few rows (decode) stream each chunk once from memory and
+// multiply it into every row of x while it sits in registers; many rows (prefill) dequantize a panel of W rows to an
+// fp32 tile and hand it to torch's GEMM. Compiled with AVX2/FMA/F16C where the CPU has them; the portable scalar
+// path is always compiled too and can be asked for (`simd` false), so tests cover both.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define NEBULA_QUANT_SIMD 1
+#else
+#define NEBULA_QUANT_SIMD 0
+#endif
+
+namespace {
+
+constexpr int64_t kChunk = 32;
+
+// ggml's type ids (gguf.GGMLQuantizationType)
+enum QType : int64_t {
+  kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8,
+  kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kBF16 = 30,
+};
+
+struct Layout {
+  int64_t block_values, block_bytes;
+};
+
+Layout layout_of(int64_t qtype) {
+  switch (qtype) {
+    case kF32: return {1, 4};
+    case kF16: case kBF16: return {1, 2};
+    case kQ4_0: return {32, 18};
+    case kQ4_1: return {32, 20};
+    case kQ5_0: return {32, 22};
+    case kQ5_1: return {32, 24};
+    case kQ8_0: return {32, 34};
+    case kQ4_K: return {256, 144};
+    case kQ5_K: return {256, 176};
+    case kQ6_K: return {256, 210};
+  }
+  TORCH_CHECK(false, "quant_linear: ggml type ", qtype, " is not supported");
+}
+
+inline uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, sizeof v);  // ggml's files are little-endian, as is every CPU this builds for
+  return v;
+}
+
+inline uint32_t load_u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline float bits_to_float(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// IEEE half -> float, exact for every value (subnormals, infinities, NaNs) without F16C
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+  if (exponent == 0x1fu) return bits_to_float(sign | 0x7f800000u | (mantissa << 13));
+  if (exponent != 0) return bits_to_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+  if (mantissa == 0) return bits_to_float(sign);
+  exponent = 113u;  // a subnormal: shift its leading one up to the implicit bit
+  while ((mantissa & 0x400u) == 0) {
+    mantissa <<= 1;
+    --exponent;
+  }
+  return bits_to_float(sign | (exponent << 23) | ((mantissa & 0x3ffu) << 13));
+}
+
+inline float half_at(const uint8_t* p) { return half_to_float(load_u16(p)); }
+
+// Q4_K / Q5_K: sub-block s's 6-bit scale and min, unpacked from the block's 12 scale bytes
+inline void kquant_scale_min(const uint8_t* scales, int64_t s, int& scale, int& min) {
+  if (s < 4) {
+    scale = scales[s] & 63;
+    min = scales[s + 4] & 63;
+  } else {
+    scale = (scales[s + 4] & 0x0f) | ((scales[s - 4] >> 6) << 4);
+    min = (scales[s + 4] >> 4) | ((scales[s] >> 6) << 4);
+  }
+}
+
+// ---- the portable path: chunk `c` of a row into out[32] ----
+
+template <int64_t QT>
+void dequant_chunk_scalar(const uint8_t* row, int64_t c, float* out) {
+  if constexpr (QT == kF32) {
+    std::memcpy(out, row + c * kChunk * 4, kChunk * 4);
+  } else if constexpr (QT == kF16 || QT == kBF16) {
+    const uint8_t* p = row + c * kChunk * 2;
+    for (int j = 0; j < kChunk; ++j)
+      out[j] = QT == kF16 ? half_at(p + 2 * j) : bits_to_float(static_cast<uint32_t>(load_u16(p + 2 * j)) << 16);
+  } else if constexpr (QT == kQ4_0 || QT == kQ4_1) {
+    const uint8_t* b = row + c * (QT == kQ4_0 ? 18 : 20);
+    const float d = half_at(b), m = QT == kQ4_1 ? half_at(b + 2) : 0.f;
+    const uint8_t* qs = b + (QT == kQ4_0 ? 2 : 4);
+    for (int j = 0; j < 16; ++j) {
+      if constexpr (QT == kQ4_0) {
+        out[j] = d * static_cast<float>((qs[j] & 15) - 8);
+        out[j + 16] = d * static_cast<float>((qs[j] >> 4) - 8);
+      } else {
+        out[j] = d * static_cast<float>(qs[j] & 15) + m;
+        out[j + 16] = d * static_cast<float>(qs[j] >> 4) + m;
+      }
+    }
+  } else if constexpr (QT == kQ5_0 || QT == kQ5_1) {
+    const uint8_t* b = row + c * (QT == kQ5_0 ? 22 : 24);
+    const float d = half_at(b), m = QT == kQ5_1 ? half_at(b + 2) : 0.f;
+    const uint32_t qh = load_u32(b + (QT == kQ5_0 ? 2 : 4));
+    const uint8_t* qs = b + (QT == kQ5_0 ? 6 : 8);
+    for (int j = 0; j < 16; ++j) {
+      const int lo = (qs[j] & 15) | (((qh >> j) & 1) << 4), hi = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+      if constexpr (QT == kQ5_0) {
+        out[j] = d * static_cast<float>(lo - 16);
+        out[j + 16] = d * static_cast<float>(hi - 16);
+      } else {
+        out[j] = d * static_cast<float>(lo) + m;
+        out[j + 16] = d * static_cast<float>(hi) + m;
+      }
+    }
+  } else if constexpr (QT == kQ8_0) {
+    const uint8_t* b = row + c * 34;
+    const float d = half_at(b);
+    const int8_t* qs = reinterpret_cast<const int8_t*>(b + 2);
+    for (int j = 0; j < kChunk; ++j) out[j] = d * static_cast<float>(qs[j]);
+  } else if constexpr (QT == kQ4_K || QT == kQ5_K) {
+    const int64_t s = c & 7;
+    const uint8_t* b = row + (c >> 3) * (QT == kQ4_K ? 144 : 176);
+    int scale, min;
+    kquant_scale_min(b + 4, s, scale, min);
+    const float ds = half_at(b) * static_cast<float>(scale), dm = half_at(b + 2) * static_cast<float>(min);
+    const uint8_t* qs = b + (QT == kQ4_K ? 16 : 48) + (s >> 1) * 32;
+    const int shift = (s & 1) * 4;
+    for (int j = 0; j < kChunk; ++j) {
+      int q = (qs[j] >> shift) & 15;
+      if constexpr (QT == kQ5_K) q |= ((b[16 + j] >> s) & 1) << 4;
+      out[j] = ds * static_cast<float>(q) - dm;
+    }
+  } else if constexpr (QT == kQ6_K) {
+    const int64_t s = c & 7;
+    const uint8_t* b = row + (c >> 3) * 210;
+    const float d = half_at(b + 208);
+    const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+    const uint8_t* ql = b + (s >> 2) * 64 + (s & 1) * 32;
+    const uint8_t* qh = b + 128 + (s >> 2) * 32;
+    const int ql_shift = ((s >> 1) & 1) * 4, qh_shift = (s & 3) * 2;
+    for (int j = 0; j < kChunk; ++j) {
+      const int q = (((ql[j] >> ql_shift) & 15) | (((qh[j] >> qh_shift) & 3) << 4)) - 32;
+      out[j] = (d * static_cast<float>(scales[2 * s + (j >> 4)])) * static_cast<float>(q);
+    }
+  }
+}
+
+// Rows [begin, end) of one part, each x row (ldx apart) against each W row: out[m * ldy + n] (+ bias[n]).
+template <int64_t QT>
+void gemv_scalar(const uint8_t* data, int64_t row_bytes, int64_t chunks, const float* x, int64_t rows_x, int64_t ldx,
+                 const float* bias, float* out, int64_t ldy, int64_t begin, int64_t end) {
+  std::vector<float> w(chunks * kChunk), sums(rows_x);
+  for (int64_t n = begin; n < end; ++n) {
+    const uint8_t* row = data + n * row_bytes;
+    for (int64_t c = 0; c < chunks; ++c) dequant_chunk_scalar<QT>(row, c, w.data() + c * kChunk);
+    for (int64_t m = 0; m < rows_x; ++m) {
+      const float* xm = x + m * ldx;
+      float total = 0.f;
+      for (int64_t k = 0; k < chunks * kChunk; ++k) total += xm[k] * w[k];
+      out[m * ldy + n] = total + (bias != nullptr ? bias[n] : 0.f);
+    }
+  }
+}
+
+template <int64_t QT>
+void dequant_rows_scalar(const uint8_t* data, int64_t row_bytes, int64_t chunks, float* out, int64_t begin,
+                         int64_t end) {
+  for (int64_t n = begin; n < end; ++n)
+    for (int64_t c = 0; c < chunks; ++c)
+      dequant_chunk_scalar<QT>(data + n * row_bytes, c, out + (n - begin) * chunks * kChunk + c * kChunk);
+}
+
+#if NEBULA_QUANT_SIMD
+// ---- AVX2: chunk `c` of a row into w[0..3] (values 0-7, 8-15, 16-23, 24-31) ----
+
+// 32 signed bytes -> four vectors of 8 floats
+inline void bytes_to_floats(__m256i q, __m256* w) {
+  const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+  w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+  w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+  w[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+  w[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+}
+
+// 16 bytes of packed nibbles -> 32 bytes: low nibbles (values 0-15) then high nibbles (values 16-31)
+inline __m256i unpack_nibbles(const uint8_t* qs) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), mask = _mm_set1_epi8(15);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+}
+
+// 32 bits -> 32 bytes, byte j = 0x10 where bit j is set (Q5's fifth bit, in place)
+inline __m256i fifth_bits(uint32_t bits) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0x0000000000000000));
+  const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select), _mm256_set1_epi8(0x10));
+}
+
+inline void scale_and_shift(__m256* w, float d, float m) {  // d * q + m, the K-quants' "- dmin * min" as m
+  const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
+  for (int v = 0; v < 4; ++v) w[v] = _mm256_fmadd_ps(dv, w[v], mv);
+}
+
+inline void scale(__m256* w, float d) {
+  const __m256 dv = _mm256_set1_ps(d);
+  for (int v = 0; v < 4; ++v) w[v] = _mm256_mul_ps(dv, w[v]);
+}
+
+template <int64_t QT>
+inline void dequant_chunk_simd(const uint8_t* row, int64_t c, __m256* w) {
+  if constexpr (QT == kF32) {
+    const float* p = reinterpret_cast<const float*>(row) + c * kChunk;
+    for (int v = 0; v < 4; ++v) w[v] = _mm256_loadu_ps(p + 8 * v);
+  } else if constexpr (QT == kF16) {
+    const uint8_t* p = row + c * kChunk * 2;
+    for (int v = 0; v < 4; ++v) w[v] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * v)));
+  } else if constexpr (QT == kBF16) {
+    const uint8_t* p = row + c * kChunk * 2;
+    for (int v = 0; v < 4; ++v)
+      w[v] = _mm256_castsi256_ps(_mm256_slli_epi32(
+          _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * v))), 16));
+  } else if constexpr (QT == kQ4_0) {
+    const uint8_t* b = row + c * 18;
+    bytes_to_floats(_mm256_sub_epi8(unpack_nibbles(b + 2), _mm256_set1_epi8(8)), w);
+    scale(w, half_at(b));
+  } else if constexpr (QT == kQ4_1) {
+    const uint8_t* b = row + c * 20;
+    bytes_to_floats(unpack_nibbles(b + 4), w);
+    scale_and_shift(w, half_at(b), half_at(b + 2));
+  } else if constexpr (QT == kQ5_0) {
+    const uint8_t* b = row + c * 22;
+    const __m256i q = _mm256_or_si256(unpack_nibbles(b + 6), fifth_bits(load_u32(b + 2)));
+    bytes_to_floats(_mm256_sub_epi8(q, _mm256_set1_epi8(16)), w);
+    scale(w, half_at(b));
+  } else if constexpr (QT == kQ5_1) {
+    const uint8_t* b = row + c * 24;
+    bytes_to_floats(_mm256_or_si256(unpack_nibbles(b + 8), fifth_bits(load_u32(b + 4))), w);
+    scale_and_shift(w, half_at(b), half_at(b + 2));
+  } else if constexpr (QT == kQ8_0) {
+    const uint8_t* b = row + c * 34;
+    bytes_to_floats(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)), w);
+    scale(w, half_at(b));
+  } else if constexpr (QT == kQ4_K || QT == kQ5_K) {
+    const int64_t s = c & 7;
+    const uint8_t* b = row + (c >> 3) * (QT == kQ4_K ? 144 : 176);
+    int sc, mn;
+    kquant_scale_min(b + 4, s, sc, mn);
+    const uint8_t* qs = b + (QT == kQ4_K ? 16 : 48) + (s >> 1) * 32;
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
+    __m256i q = _mm256_and_si256(_mm256_srl_epi16(raw, _mm_cvtsi32_si128(static_cast<int>((s & 1) * 4))),
+                                 _mm256_set1_epi8(15));
+    if constexpr (QT == kQ5_K) {
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+      const __m256i bit = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(static_cast<int>(s))),
+                                           _mm256_set1_epi8(1));
+      q = _mm256_or_si256(q, _mm256_slli_epi16(bit, 4));
+    }
+    bytes_to_floats(q, w);
+    scale_and_shift(w, half_at(b) * static_cast<float>(sc), -(half_at(b + 2) * static_cast<float>(mn)));
+  } else if constexpr (QT == kQ6_K) {
+    const int64_t s = c & 7;
+    const uint8_t* b = row + (c >> 3) * 210;
+    const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (s >> 2) * 64 + (s & 1) * 32));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + (s >> 2) * 32));
+    const __m256i low = _mm256_and_si256(_mm256_srl_epi16(ql, _mm_cvtsi32_si128(static_cast<int>(((s >> 1) & 1) * 4))),
+                                         _mm256_set1_epi8(15));
+    const __m256i high = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(static_cast<int>((s & 3) * 2))),
+                                          _mm256_set1_epi8(3));
+    bytes_to_floats(_mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set1_epi8(32)), w);
+    const float d = half_at(b + 208);
+    const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+    const __m256 first = _mm256_set1_ps(d * static_cast<float>(scales[2 * s]));
+    const __m256 second = _mm256_set1_ps(d * static_cast<float>(scales[2 * s + 1]));
+    w[0] = _mm256_mul_ps(first, w[0]);
+    w[1] = _mm256_mul_ps(first, w[1]);
+    w[2] = _mm256_mul_ps(second, w[2]);
+    w[3] = _mm256_mul_ps(second, w[3]);
+  }
+}
+
+inline float horizontal_sum(__m256 v) {
+  const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+}
+
+// One W row against MT rows of x: each chunk dequantized once into registers, then multiplied into every row.
+// Few rows get more accumulators each, so the FMAs of one row do not wait on each other.
+template <int64_t QT, int MT>
+inline void row_times_tile(const uint8_t* row, int64_t chunks, const float* x, int64_t ldx, float* sums) {
+  constexpr int kAcc = MT == 1 ? 4 : MT == 2 ? 2 : 1;
+  __m256 acc[MT][kAcc];
+  for (int m = 0; m < MT; ++m)
+    for (int a = 0; a < kAcc; ++a) acc[m][a] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) {
+    __m256 w[4];
+    dequant_chunk_simd<QT>(row, c, w);
+    for (int m = 0; m < MT; ++m) {
+      const float* xm = x + m * ldx + c * kChunk;
+      for (int v = 0; v < 4; ++v)
+        acc[m][v % kAcc] = _mm256_fmadd_ps(w[v], _mm256_loadu_ps(xm + 8 * v), acc[m][v % kAcc]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    __m256 total = acc[m][0];
+    for (int a = 1; a < kAcc; ++a) total = _mm256_add_ps(total, acc[m][a]);
+    sums[m] = horizontal_sum(total);
+  }
+}
+
+template <int64_t QT>
+void gemv_simd(const uint8_t* data, int64_t row_bytes, int64_t chunks, const float* x, int64_t rows_x, int64_t ldx,
+               const float* bias, float* out, int64_t ldy, int64_t begin, int64_t end) {
+  float sums[8];
+  for (int64_t n = begin; n < end; ++n) {
+    const uint8_t* row = data + n * row_bytes;
+    const float b = bias != nullptr ? bias[n] : 0.f;
+    // x rows in tiles of 8, 4, 2, 1: the W row is read from memory once and from L1 for the later tiles
+    for (int64_t m0 = 0; m0 < rows_x;) {
+      const int64_t left = rows_x - m0, tile = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+      const float* xm = x + m0 * ldx;
+      if (tile == 8) row_times_tile<QT, 8>(row, chunks, xm, ldx, sums);
+      else if (tile == 4) row_times_tile<QT, 4>(row, chunks, xm, ldx, sums);
+      else if (tile == 2) row_times_tile<QT, 2>(row, chunks, xm, ldx, sums);
+      else row_times_tile<QT, 1>(row, chunks, xm, ldx, sums);
+      for (int64_t m = 0; m < tile; ++m) out[(m0 + m) * ldy + n] = sums[m] + b;
+      m0 += tile;
+    }
+  }
+}
+
+template <int64_t QT>
+void dequant_rows_simd(const uint8_t* data, int64_t row_bytes, int64_t chunks, float* out, int64_t begin,
+                       int64_t end) {
+  for (int64_t n = begin; n < end; ++n) {
+    float* dest = out + (n - begin) * chunks * kChunk;
+    for (int64_t c = 0; c < chunks; ++c) {
+      __m256 w[4];
+      dequant_chunk_simd<QT>(data + n * row_bytes, c, w);
+      for (int v = 0; v < 4; ++v) _mm256_storeu_ps(dest + c * kChunk + 8 * v, w[v]);
+    }
+  }
+}
+#endif
+
+using GemvFn = void (*)(const uint8_t*, int64_t, int64_t, const float*, int64_t, int64_t, const float*, float*,
+                        int64_t, int64_t, int64_t);
+using DequantFn = void (*)(const uint8_t*, int64_t, int64_t, float*, int64_t, int64_t);
+
+struct Kernels {
+  GemvFn gemv;
+  DequantFn dequant;
+};
+
+template <int64_t QT>
+Kernels kernels_for(bool simd) {
+#if NEBULA_QUANT_SIMD
+  if (simd) return {gemv_simd<QT>, dequant_rows_simd<QT>};
+#endif
+  TORCH_CHECK(!simd, "quant_linear: this build has no AVX2 path (see quant_simd())");
+  return {gemv_scalar<QT>, dequant_rows_scalar<QT>};
+}
+
+Kernels kernels_of(int64_t qtype, bool simd) {
+  switch (qtype) {
+    case kF32: return kernels_for<kF32>(simd);
+    case kF16: return kernels_for<kF16>(simd);
+    case kBF16: return kernels_for<kBF16>(simd);
+    case kQ4_0: return kernels_for<kQ4_0>(simd);
+    case kQ4_1: return kernels_for<kQ4_1>(simd);
+    case kQ5_0: return kernels_for<kQ5_0>(simd);
+    case kQ5_1: return kernels_for<kQ5_1>(simd);
+    case kQ8_0: return kernels_for<kQ8_0>(simd);
+    case kQ4_K: return kernels_for<kQ4_K>(simd);
+    case kQ5_K: return kernels_for<kQ5_K>(simd);
+    case kQ6_K: return kernels_for<kQ6_K>(simd);
+  }
+  TORCH_CHECK(false, "quant_linear: ggml type ", qtype, " is not supported");
+}
+
+// A part's row bytes agree with K values a row, K a whole number of chunks.
+void check_part(const at::Tensor& part, int64_t qtype, int64_t k) {
+  const Layout layout = layout_of(qtype);
+  TORCH_CHECK(part.scalar_type() == at::kByte && part.dim() == 2 && part.is_contiguous() && part.device().is_cpu(),
+              "quant_linear: each weight part must be a contiguous uint8 CPU tensor [rows, row bytes]");
+  TORCH_CHECK(k % kChunk == 0 && k % layout.block_values == 0, "quant_linear: K = ", k,
+              " must be a multiple of 32 and of the type's block (", layout.block_values, ")");
+  TORCH_CHECK(part.size(1) == k / layout.block_values * layout.block_bytes, "quant_linear: a part of type ", qtype,
+              " has ", part.size(1), " bytes a row, K = ", k, " needs ", k / layout.block_values * layout.block_bytes);
+}
+
+// Each W row of a panel dequantized into tile [rows, K] (rows split over the threads).
+void dequantize_panel(const Kernels& kernels, const uint8_t* data, int64_t row_bytes, int64_t chunks, int64_t first,
+                      int64_t rows, float* tile) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    kernels.dequant(data + (first + begin) * row_bytes, row_bytes, chunks, tile + begin * chunks * kChunk, 0,
+                    end - begin);
+  });
+}
+
+// x [M, K] fp32, parts [N_i, row bytes] uint8 of ggml types qtypes[i] (their rows stacked make W [N, K]), bias [N]
+// or undefined; writes out [M, N]. M >= gemm_min_rows: panels of panel_rows W rows through at::mm, else the GEMV.
+void quant_linear(const at::Tensor& x, at::TensorList parts, at::IntArrayRef qtypes,
+                  const c10::optional<at::Tensor>& bias, int64_t gemm_min_rows, int64_t panel_rows, bool simd,
+                  at::Tensor& out) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(),
+              "quant_linear: x must be a contiguous fp32 CPU tensor [M, K]");
+  TORCH_CHECK(parts.size() == qtypes.size() && !parts.empty(), "quant_linear: one ggml type per weight part");
+  const int64_t rows_x = x.size(0), k = x.size(1), chunks = k / kChunk;
+  int64_t n_total = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    check_part(parts[i], qtypes[i], k);
+    n_total += parts[i].size(0);
+  }
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 && out.size(0) == rows_x &&
+                  out.size(1) == n_total,
+              "quant_linear: out must be a contiguous fp32 tensor [M, N]");
+  const float* bias_data = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n_total,
+                "quant_linear: bias must be a contiguous fp32 tensor [N]");
+    bias_data = bias->data_ptr<float>();
+  }
+  if (rows_x == 0 || n_total == 0) return;
+  const float* x_data = x.data_ptr<float>();
+  float* out_data = out.data_ptr<float>();
+  if (rows_x >= gemm_min_rows) {
+    TORCH_CHECK(panel_rows > 0, "quant_linear: panel_rows must be positive");
+    at::Tensor tile = at::empty({std::min(panel_rows, n_total), k}, x.options());
+    int64_t column = 0;
+    for (size_t i = 0; i < parts.size(); ++i) {
+      const Kernels kernels = kernels_of(qtypes[i], simd);
+      const int64_t rows = parts[i].size(0), row_bytes = parts[i].size(1);
+      for (int64_t first = 0; first < rows; first += panel_rows) {
+        const int64_t count = std::min(panel_rows, rows - first);
+        at::Tensor panel = tile.narrow(0, 0, count);
+        dequantize_panel(kernels, parts[i].data_ptr<uint8_t>(), row_bytes, chunks, first, count,
+                         panel.data_ptr<float>());
+        at::Tensor dest = out.narrow(1, column + first, count);
+        at::mm_out(dest, x, panel.t());
+      }
+      column += rows;
+    }
+    if (bias_data != nullptr) out.add_(*bias);
+    return;
+  }
+  // one task range over the stacked rows; each task walks the parts its rows fall in
+  std::vector<int64_t> starts{0};
+  std::vector<Kernels> kernels;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    starts.push_back(starts.back() + parts[i].size(0));
+    kernels.push_back(kernels_of(qtypes[i], simd));
+  }
+  at::parallel_for(0, n_total, 1, [&](int64_t begin, int64_t end) {
+    for (size_t i = 0; i < parts.size(); ++i) {
+      const int64_t lo = std::max(begin, starts[i]), hi = std::min(end, starts[i + 1]);
+      if (lo >= hi) continue;
+      kernels[i].gemv(parts[i].data_ptr<uint8_t>(), parts[i].size(1), chunks, x_data, rows_x, k,
+                      bias_data != nullptr ? bias_data + starts[i] : nullptr, out_data + starts[i], n_total,
+                      lo - starts[i], hi - starts[i]);
+    }
+  });
+}
+
+// rows [N, row bytes] of ggml type qtype -> out [N, K] fp32
+void quant_dequantize(const at::Tensor& rows, int64_t qtype, bool simd, at::Tensor& out) {
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.is_contiguous() && out.size(0) == rows.size(0),
+              "quant_dequantize: out must be a contiguous fp32 tensor [N, K]");
+  check_part(rows, qtype, out.size(1));
+  dequantize_panel(kernels_of(qtype, simd), rows.data_ptr<uint8_t>(), rows.size(1), out.size(1) / kChunk, 0,
+                   rows.size(0), out.data_ptr<float>());
+}
+
+bool quant_simd() { return NEBULA_QUANT_SIMD; }
+
+}  // namespace
+
+TORCH_LIBRARY(nebula_quant, m) {
+  m.def("linear(Tensor x, Tensor[] parts, int[] qtypes, Tensor? bias, int gemm_min_rows, int panel_rows, bool simd, "
+        "Tensor(a!) out) -> ()");
+  m.def("dequantize(Tensor rows, int qtype, bool simd, Tensor(a!) out) -> ()");
+  m.def("simd() -> bool", quant_simd);
+}
+
+TORCH_LIBRARY_IMPL(nebula_quant, CPU, m) {
+  m.impl("linear", quant_linear);
+  m.impl("dequantize", quant_dequantize);
+}

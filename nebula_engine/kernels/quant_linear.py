@@ -1,0 +1,277 @@
+"""Linear layers over weights kept in llama.cpp's GGUF block formats, computed by a fused dequantize-and-multiply
+CPU kernel (``cpu_quant_matmul.cpp``).
+
+A decode step's speed is bound by the bytes of weights it reads: Q4_1 reads 20 bytes per 32 weights, fp32 128. The
+kernel dequantizes each block in registers, exactly as ``gguf.quants.dequantize`` does, and multiplies it into fp32
+activations with fp32 accumulation: the output is the fp32 linear of the dequantized weight up to summation order
+(llama.cpp instead rounds the activations to int8, which this does not). Few rows stream every block once into all
+of them; from ``GEMM_MIN_ROWS`` rows on, panels of ``PANEL_ROWS`` weight rows are dequantized to an fp32 tile that
+torch's GEMM multiplies. ``tools/bench_quant_linear.py`` measures both against fp32 ``F.linear``.
+
+The kernel is compiled on first use by torch's ``cpp_extension`` into its extension cache (``TORCH_EXTENSIONS_DIR``,
+default ``~/.cache/torch_extensions``), with AVX2/FMA/F16C where this CPU has them, else as portable C++. It runs
+on torch's own OpenMP pool (``at::parallel_for``, ``torch.get_num_threads()`` threads). Without a C++ compiler or
+ninja, or with ``NEBULA_CPU_KERNELS=0``, ``load()`` is False and the GGUF loader dequantizes at load instead. Only
+CPU: on other devices the weights are dequantized at load.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+import threading
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+KERNELS_ENV = "NEBULA_CPU_KERNELS"
+SOURCE = Path(__file__).parent / "cpu_quant_matmul.cpp"
+# From this many rows of x on, the panel GEMM instead of the streaming GEMV. Measured with
+# ``tools/bench_quant_linear.py --sweep-rows`` (2 threads, AMD EPYC, weights walked cold): the GEMV/GEMM time ratio
+# crosses 1 at 64-96 rows for SmolLM2's shapes (K 576, 1536) and at 16-32 for Qwen2.5-0.5B's MLP (K 4864 down,
+# N 4864 gate/up); over the nine shapes its geometric mean is 0.87 at 32 rows and 1.03 at 48.
+GEMM_MIN_ROWS = 48
+# Weight rows dequantized per GEMM tile: at 512 rows of x SmolLM2's four shapes took 3.99/2.40/6.26/5.98 ms with
+# 64-row panels, 3.39/2.04/5.16/5.33 ms with 512 and up to 2.5x longer with 4096 (``--sweep-panels``, 2 threads).
+PANEL_ROWS = 512
+
+# ggml type id -> (values per block, bytes per block), the types the kernel reads (gguf.GGML_QUANT_SIZES)
+BLOCK_LAYOUTS = {
+    0: (1, 4),  # F32
+    1: (1, 2),  # F16
+    30: (1, 2),  # BF16
+    2: (32, 18),  # Q4_0
+    3: (32, 20),  # Q4_1
+    6: (32, 22),  # Q5_0
+    7: (32, 24),  # Q5_1
+    8: (32, 34),  # Q8_0
+    12: (256, 144),  # Q4_K
+    13: (256, 176),  # Q5_K
+    14: (256, 210),  # Q6_K
+}
+F32 = 0
+_CHUNK = 32  # the kernel reads every type 32 values at a time
+
+_LOCK = threading.Lock()
+_LOADED: bool | None = None  # None: not tried yet
+_ENABLED = os.environ.get(KERNELS_ENV, "1") != "0"
+_SIMD: bool | None = None  # None: whatever the build has
+
+
+def computes(qtype: int, in_features: int) -> bool:
+    """Whether the kernel reads rows of ``in_features`` values stored as ggml type ``qtype``."""
+    layout = BLOCK_LAYOUTS.get(int(qtype))
+    return layout is not None and in_features % _CHUNK == 0 and in_features % layout[0] == 0
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedWeight:
+    """A weight W [N, K] in one ggml block format: ``data`` [N, row bytes] uint8 holds each row's blocks as ggml
+    lays them out (read from a GGUF file it is a view of the file's read-only mapping: never write to it)."""
+
+    data: torch.Tensor
+    qtype: int  # a ggml type id (gguf.GGMLQuantizationType)
+    shape: tuple[int, int]
+
+    def __post_init__(self) -> None:
+        rows, cols = self.shape
+        if not computes(self.qtype, cols):
+            raise ValueError(f"ggml type {int(self.qtype)} with rows of {cols} values is not computed by the quantized "
+                             f"linear kernel")
+        values, nbytes = BLOCK_LAYOUTS[int(self.qtype)]
+        if (self.data.dtype != torch.uint8 or self.data.dim() != 2 or self.data.device.type != "cpu"
+                or tuple(self.data.shape) != (rows, cols // values * nbytes)):
+            raise ValueError(f"blocks of a [{rows}, {cols}] weight of ggml type {int(self.qtype)} must be a uint8 CPU "
+                             f"tensor [{rows}, {cols // values * nbytes}], got {self.data.dtype} "
+                             f"{list(self.data.shape)}")
+
+    @classmethod
+    def from_numpy(cls, blocks: np.ndarray, qtype: int, shape: tuple[int, int]) -> QuantizedWeight:
+        """Blocks [N, row bytes] without a copy: a read-only array (a mapped file) stays shared with the file."""
+        with warnings.catch_warnings():  # torch warns that it cannot mark the tensor read-only; nothing writes to it
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.from_numpy(np.ascontiguousarray(blocks))
+        return cls(data, int(qtype), (int(shape[0]), int(shape[1])))
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor) -> QuantizedWeight:
+        """An fp32 weight [N, K] as F32 "blocks": its own bytes, not copied when contiguous."""
+        weight = weight.detach().contiguous()
+        return cls(weight.view(torch.uint8), F32, (weight.shape[0], weight.shape[1]))
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    def dequantize(self) -> torch.Tensor:
+        """W as fp32 [N, K], by ``gguf.quants.dequantize`` (the reference the kernel is tested against)."""
+        from gguf.quants import dequantize
+
+        values = dequantize(self.data.numpy(), self.qtype)
+        return torch.from_numpy(np.require(values, np.float32, "CW")).reshape(self.shape)
+
+
+@dataclass(frozen=True, eq=False)
+class StackedQuantizedWeight:
+    """W [N_1 + N_2 + ..., K]: weights stacked row-wise (a fused q/k/v projection), each in its own format, read
+    in place: one kernel call computes every part's columns of the output."""
+
+    parts: tuple[QuantizedWeight, ...]
+
+    def __post_init__(self) -> None:
+        if not self.parts or len({part.shape[1] for part in self.parts}) != 1:
+            raise ValueError("stacked weights need at least one part, all with the same in-features")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(part.shape[0] for part in self.parts), self.parts[0].shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for part in self.parts)
+
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([part.dequantize() for part in self.parts])
+
+
+AnyQuantizedWeight = QuantizedWeight | StackedQuantizedWeight
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return set()
+    return set(line.partition(":")[2].split())
+
+
+def _simd_flags() -> list[str]:
+    """AVX2 code only for a CPU that runs it: the flags from /proc/cpuinfo, else torch's own CPU check."""
+    flags = _cpu_flags()
+    if flags:
+        has_simd = {"avx2", "fma", "f16c"} <= flags
+    else:
+        has_simd = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    return ["-mavx2", "-mfma", "-mf16c"] if has_simd else []
+
+
+def _ensure_ninja() -> None:
+    """torch's cpp_extension runs ``ninja`` from PATH; the ``ninja`` wheel (a dependency) installs one into the
+    environment's bin folder, which is not on PATH when the venv is not activated."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+def _build_and_load() -> None:
+    """``cpp_extension.load`` into a folder named by the source and flags, one process at a time (an ``flock``,
+    released by the OS when its holder dies, unlike torch's own lock file; see ``cpu_paged_decode``)."""
+    from torch.utils import cpp_extension
+
+    _ensure_ninja()
+    flags = ["-O3", "-fopenmp", *_simd_flags()]
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
+    name = f"nebula_cpu_quant_matmul_{digest}"
+    folder = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()) / name
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "nebula-build.lock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        (folder / "lock").unlink(missing_ok=True)
+        cpp_extension.load(name, [str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                           build_directory=str(folder), is_python_module=False, verbose=False)
+
+
+def load() -> bool:
+    """Build (once per machine) and load the kernel; True when ``torch.ops.nebula_quant`` is usable. A failure (or
+    ``NEBULA_CPU_KERNELS=0``) is logged once and False is returned from then on."""
+    global _LOADED
+    if _LOADED is not None:
+        return _LOADED
+    with _LOCK:
+        if _LOADED is not None:
+            return _LOADED
+        if not _ENABLED:
+            _LOADED = False
+            return _LOADED
+        try:
+            _build_and_load()
+            _LOADED = True
+        except Exception as error:  # no compiler, no ninja, a read-only cache: weights are dequantized at load
+            lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+            first = next((line for line in lines if "error" in line.lower()), lines[-1] if lines else repr(error))
+            logger.warning("CPU quantized-linear kernel unavailable, GGUF weights are dequantized at load: %s", first)
+            _LOADED = False
+    return _LOADED
+
+
+def has_simd() -> bool:
+    """Whether the loaded kernel was built with its AVX2 path."""
+    return load() and bool(torch.ops.nebula_quant.simd())
+
+
+def set_simd(enabled: bool | None) -> bool | None:
+    """Force the AVX2 path on (True) or the portable one (False), or let the build decide (None); returns the
+    previous setting. The portable path is there for CPUs without AVX2, and for tests."""
+    global _SIMD
+    if enabled and not has_simd():
+        raise RuntimeError("the quantized-linear kernel was built without its AVX2 path (this CPU lacks AVX2/FMA/F16C)")
+    previous, _SIMD = _SIMD, enabled
+    return previous
+
+
+def _parts(weight: AnyQuantizedWeight) -> tuple[QuantizedWeight, ...]:
+    return weight.parts if isinstance(weight, StackedQuantizedWeight) else (weight,)
+
+
+def quantized_linear(x: torch.Tensor, weight: AnyQuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight.dequantize(), bias)``: x [..., K] fp32, weight [N, K], bias [N] -> [..., N].
+
+    Autograd (x requiring grad) and a kernel that did not load take that torch path, dequantizing the whole weight
+    on each call."""
+    out_features, in_features = weight.shape
+    if (x.device.type != "cpu" or x.dtype != torch.float32 or (torch.is_grad_enabled() and x.requires_grad)
+            or not load()):
+        return quantized_linear_reference(x, weight, bias)
+    rows = x.reshape(-1, in_features).contiguous()
+    out = rows.new_empty(rows.shape[0], out_features)
+    parts = _parts(weight)
+    simd = has_simd() if _SIMD is None else _SIMD
+    torch.ops.nebula_quant.linear(rows, [part.data for part in parts], [int(part.qtype) for part in parts],
+                                  None if bias is None else bias.detach().contiguous(), GEMM_MIN_ROWS, PANEL_ROWS,
+                                  simd, out)
+    return out.view(*x.shape[:-1], out_features)
+
+
+def quantized_linear_reference(x: torch.Tensor, weight: AnyQuantizedWeight,
+                               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The torch reference: the weight dequantized by ``gguf.quants.dequantize``, then ``F.linear``."""
+    return F.linear(x, weight.dequantize().to(x.device, x.dtype), bias)
+
+
+def dequantize(weight: QuantizedWeight) -> torch.Tensor:
+    """``weight.dequantize()`` by the kernel's own dequantizer (the one its GEMM path uses): fp32 [N, K]."""
+    if not load():
+        return weight.dequantize()
+    out = torch.empty(weight.shape)
+    simd = has_simd() if _SIMD is None else _SIMD
+    torch.ops.nebula_quant.dequantize(weight.data, int(weight.qtype), simd, out)
+    return out
