@@ -17,6 +17,9 @@ event); hung (nothing ended it within ``--hang-after`` s); lost (ended without a
 ``[DONE]``: a silent loss); extra / missing tokens (in completed streams, against ``--max-tokens``).
 
     python tools/chaos.py [--scenarios prefill,decode,leader,two-of-three] [--num-requests 40] [--qps 2]
+                          [--write-docs]
+
+``--write-docs`` writes the results page ``docs/results/chaos.md`` (machine, command, table).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import argparse
 import asyncio
 import itertools
 import json
+import os
+import platform
 import signal
 import sys
 import time
@@ -42,6 +47,7 @@ from nebula_engine.cluster.runtime.launcher import LocalCluster, local_spec  # n
 from nebula_engine.workloads.registry import BUNDLED_DIR, load_workload  # noqa: E402
 
 SCENARIOS = ("none", "prefill", "decode", "leader", "two-of-three")
+RESULTS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "results" / "chaos.md"
 ENGINE = {"page_size": 16, "num_pages": 2048}
 
 
@@ -184,6 +190,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("chaos-results"))
     parser.add_argument("--log-level", default="warning", help="of the peers (their logs go under --out)")
+    parser.add_argument("--write-docs", action="store_true", help="write docs/results/chaos.md")
     options = parser.parse_args()
     scenarios = options.scenarios.split(",")
     unknown = set(scenarios) - set(SCENARIOS)
@@ -201,6 +208,20 @@ def main() -> None:
     (options.out / "chaos.json").write_text(json.dumps({"options": {k: str(v) for k, v in vars(options).items()},
                                                         "rows": rows}, indent=2))
     print(format_table(rows))
+    if options.write_docs:
+        print(f"wrote {write_results_page(rows, 'python tools/chaos.py ' + ' '.join(sys.argv[1:]))}")
+
+
+def write_results_page(rows: list[dict], command: str) -> Path:
+    RESULTS_PAGE.parent.mkdir(parents=True, exist_ok=True)
+    machine = f"{platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+    RESULTS_PAGE.write_text(
+        "# Chaos: peers killed while a trace replays\n\n"
+        "How every request ended when `tools/chaos.py` SIGKILLed the scenario's peers of a 2 prefill + 1 decode "
+        "local cluster mid-replay. `hung` and `lost` must be 0: a request either completes with all its tokens or "
+        "ends with an error.\n\n"
+        f"- machine: {machine}\n- command: `{command.strip()}`\n\n{format_table(rows)}\n")
+    return RESULTS_PAGE
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
 ``LocalCluster`` is used by ``nebula-engine serve --prefill-workers N``, by ``tools/bench_cluster.py`` and by the
 multi-process tests. It owns the processes it starts and stops them (SIGTERM, then SIGKILL) by their pids.
 Its peers' internal listeners (control, Raft, NIXL) are on loopback; only their HTTP APIs may listen elsewhere.
+Every port it opens is drawn from one ``PortRange`` (by default ``DEFAULT_PORT_RANGE``; NIXL's UCX listeners
+through ``UCX_TCP_PORT_RANGE``), so a firewall or a shared machine can confine a local cluster to it.
 Unless given one, it draws a random cluster secret and hands it (and the API key) to its peers in their
 environment, never on a command line.
 """
@@ -20,7 +22,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from nebula_engine.cluster.runtime.auth import SECRET_ENV, new_secret
@@ -28,24 +30,61 @@ from nebula_engine.cluster.runtime.election import ETCD_PASSWORD_ENV
 from nebula_engine.cluster.runtime.spec import API_KEY_ENV, PORT_TAKEN_EXIT, ClusterSpec, PeerSettings, PeerSpec
 
 LOOPBACK = "127.0.0.1"
+UCX_PORT_RANGE_ENV = "UCX_TCP_PORT_RANGE"  # UCX's TCP transport binds its listeners inside this range
 
 
-def free_ports(count: int, host: str = "127.0.0.1", avoid: list[int] = ()) -> list[int]:
-    """``count`` ports free now, drawn below the kernel's ephemeral range: a port the kernel hands out itself
-    could be taken by some process's outgoing connection before our peer binds it."""
+@dataclass(frozen=True)
+class PortRange:
+    """Ports ``low..high`` (both included) a local cluster may listen on."""
+
+    low: int
+    high: int
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.low <= self.high <= 65535:
+            raise ValueError(f"a port range is LOW-HIGH with 1 <= LOW <= HIGH <= 65535, got {self}")
+
+    @classmethod
+    def parse(cls, text: str) -> PortRange:
+        low, sep, high = text.partition("-")
+        if not sep or not low.strip().isdigit() or not high.strip().isdigit():
+            raise ValueError(f"a port range is written LOW-HIGH (e.g. 20000-20100), got {text!r}")
+        return cls(int(low), int(high))
+
+    def __contains__(self, port: int) -> bool:
+        return self.low <= port <= self.high
+
+    def __str__(self) -> str:
+        return f"{self.low}-{self.high}"
+
+
+def default_port_range() -> PortRange:
+    """10000 up to the kernel's ephemeral range (at least to 20000): a port the kernel hands out itself could be
+    taken by some process's outgoing connection before our peer binds it."""
     low, _ = _ephemeral_range()
-    rng = random.Random()
+    return PortRange(10_000, max(low, 20_000) - 1)
+
+
+def free_ports(count: int, host: str = "127.0.0.1", avoid: list[int] = (), port_range: PortRange | None = None
+               ) -> list[int]:
+    """``count`` distinct ports of ``port_range`` (default: ``default_port_range()``) free now on ``host``;
+    ValueError when the range has fewer."""
+    port_range = port_range or default_port_range()
+    candidates = [p for p in range(port_range.low, port_range.high + 1) if p not in avoid]
+    random.Random().shuffle(candidates)
     ports: list[int] = []
-    while len(ports) < count:
-        port = rng.randrange(10_000, max(low, 20_000))
-        if port in ports or port in avoid:
-            continue
+    for port in candidates:
+        if len(ports) == count:
+            break
         with socket.socket() as probe:
             try:
                 probe.bind((host, port))
             except OSError:
                 continue
         ports.append(port)
+    if len(ports) < count:
+        raise ValueError(f"port range {port_range} has {len(ports)} free ports on {host}; this local cluster "
+                         f"needs {count}: widen --port-range")
     return ports
 
 
@@ -61,15 +100,20 @@ def local_spec(num_prefill: int, num_decode: int, host: str = LOOPBACK, port: in
                etcd: str | None = None, remote_read_latency_s: float = ClusterSpec.remote_read_latency_s,
                scatter_dispatch_s: float = ClusterSpec.scatter_dispatch_s,
                shared_cores: bool = ClusterSpec.shared_cores,
-               observe_transfer_costs: bool = ClusterSpec.observe_transfer_costs) -> ClusterSpec:
+               observe_transfer_costs: bool = ClusterSpec.observe_transfer_costs,
+               port_range: PortRange | None = None) -> ClusterSpec:
     """Peers ``prefill-0..`` then ``decode-0..``; HTTP on ``host``, ports ``port, port+1, ...`` (free ports when 0);
-    every other listener on loopback."""
+    every other listener on loopback. Drawn ports come from ``port_range``; given HTTP ports must lie in it."""
     if num_prefill < 1 or num_decode < 0:
         raise ValueError(f"need >= 1 prefill and >= 0 decode workers, got {num_prefill} and {num_decode}")
     count = num_prefill + num_decode
     fixed_http = [] if port == 0 else [port + i for i in range(count)]
-    internal = free_ports(2 * count, LOOPBACK, avoid=fixed_http)
-    http = fixed_http or free_ports(count, host, avoid=internal)
+    outside = [p for p in fixed_http if port_range is not None and p not in port_range]
+    if outside:
+        raise ValueError(f"the HTTP ports {fixed_http[0]}-{fixed_http[-1]} (--port, --port+1, ...) are not all in "
+                         f"--port-range {port_range}: give --port 0 to draw them from the range, or a port inside it")
+    internal = free_ports(2 * count, LOOPBACK, avoid=fixed_http, port_range=port_range)
+    http = fixed_http or free_ports(count, host, avoid=internal, port_range=port_range)
     peers = []
     for i in range(count):
         role, index = ("prefill", i) if i < num_prefill else ("decode", -1)
@@ -80,12 +124,12 @@ def local_spec(num_prefill: int, num_decode: int, host: str = LOOPBACK, port: in
                        observe_transfer_costs)
 
 
-def with_new_ports(spec: ClusterSpec, keep_http: bool) -> ClusterSpec:
+def with_new_ports(spec: ClusterSpec, keep_http: bool, port_range: PortRange | None = None) -> ClusterSpec:
     """``spec`` with freshly drawn free ports for every peer's control and Raft listeners and, unless ``keep_http``,
-    its HTTP listener (as ``local_spec`` draws them)."""
+    its HTTP listener (as ``local_spec`` draws them, from ``port_range``)."""
     kept_http = [p.http_port for p in spec.peers] if keep_http else []
-    internal = free_ports(2 * len(spec.peers), LOOPBACK, avoid=kept_http)
-    http = kept_http or free_ports(len(spec.peers), spec.peers[0].api_host, avoid=internal)
+    internal = free_ports(2 * len(spec.peers), LOOPBACK, avoid=kept_http, port_range=port_range)
+    http = kept_http or free_ports(len(spec.peers), spec.peers[0].api_host, avoid=internal, port_range=port_range)
     return replace(spec, peers=tuple(replace(p, ctrl_port=internal[2 * i], raft_port=internal[2 * i + 1],
                                              http_port=http[i]) for i, p in enumerate(spec.peers)))
 
@@ -102,12 +146,14 @@ class LocalCluster:
     """Peers of ``spec`` as processes of this machine. Its ports are drawn free (``local_spec``), but another
     process may take one before a peer binds it: a start that fails so stops every peer and starts again on newly
     drawn ports (``START_ATTEMPTS`` in all), keeping the HTTP ports when ``keep_http_ports`` (a user's ``--port``:
-    then a taken one is an error). Read ``spec`` and ``urls`` after ``start``."""
+    then a taken one is an error). Redrawn ports, and the ports NIXL's UCX listens on, come from ``port_range``
+    (the one ``spec`` was drawn from; None: the default range, UCX's ports unconfined). Read ``spec`` and ``urls``
+    after ``start``."""
 
     def __init__(self, model: str, spec: ClusterSpec, engine_options: dict | None = None,
                  served_model_name: str | None = None, log_dir: str | Path | None = None, log_level: str = "warning",
                  settings: PeerSettings = PeerSettings(), torch_threads: int | None = None,
-                 keep_http_ports: bool = False):
+                 keep_http_ports: bool = False, port_range: PortRange | None = None):
         if spec.spans_machines:
             raise ValueError("a local cluster runs on this machine: every peer's host must be a loopback address")
         self.model = model
@@ -116,6 +162,7 @@ class LocalCluster:
         self.engine_options = engine_options or {}
         self.served_model_name = served_model_name or model
         self.keep_http_ports = keep_http_ports
+        self.port_range = port_range
         self._tmp = tempfile.TemporaryDirectory(prefix="nebula-cluster-")
         self.log_dir = Path(log_dir or self._tmp.name)
         self.log_level = log_level
@@ -142,7 +189,7 @@ class LocalCluster:
                 if attempt == START_ATTEMPTS:
                     self.stop()
                     raise
-                self.spec = with_new_ports(self.spec, self.keep_http_ports)
+                self.spec = with_new_ports(self.spec, self.keep_http_ports, self.port_range)
             except BaseException:
                 self.stop()  # never leave peers behind when the cluster does not come up
                 raise
@@ -188,7 +235,8 @@ class LocalCluster:
                    ETCD_PASSWORD_ENV: self.settings.etcd_access.password}
         threads = {} if self.torch_threads is None else {"OMP_NUM_THREADS": str(self.torch_threads),
                                                           "MKL_NUM_THREADS": str(self.torch_threads)}
-        return {**env, **{k: v for k, v in secrets.items() if v}, **threads, "PYTHONUNBUFFERED": "1"}
+        ucx = {} if self.port_range is None or UCX_PORT_RANGE_ENV in env else {UCX_PORT_RANGE_ENV: str(self.port_range)}
+        return {**env, **{k: v for k, v in secrets.items() if v}, **threads, **ucx, "PYTHONUNBUFFERED": "1"}
 
     def restart(self, name: str, timeout: float = 180.0) -> None:
         self.stop_peer(name, kill=True)
@@ -227,9 +275,12 @@ class LocalCluster:
         raise RuntimeError(message)
 
     def state(self, name: str) -> dict:
-        """GET /cluster of one peer ({} while it does not answer)."""
+        """GET /cluster of one peer ({} while it does not answer), with the API key when the cluster has one."""
+        key = self.settings.api_key
+        request = urllib.request.Request(self.urls[name] + "/cluster",
+                                         headers={"Authorization": f"Bearer {key}"} if key else {})
         try:
-            with urllib.request.urlopen(self.urls[name] + "/cluster", timeout=2) as response:
+            with urllib.request.urlopen(request, timeout=2) as response:
                 return json.loads(response.read())
         except OSError:
             return {}
