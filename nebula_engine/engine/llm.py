@@ -10,8 +10,9 @@ from nebula_engine.engine.chat_messages import flatten_content_parts
 from nebula_engine.engine.admission import ENGINE_DEFAULT, admit
 from nebula_engine.engine.llm_engine import LLMEngine
 from nebula_engine.engine.outputs import RequestOutput
+from nebula_engine.engine.prompt_truncation import truncate_prompt
 from nebula_engine.engine.sampling_params import SamplingParams
-from nebula_engine.engine.tokenizer import Message
+from nebula_engine.engine.tokenizer import ChatOptions, Message, load_chat_template
 from nebula_engine.pic.segments import SegmentedPrompt, segment_token_lists
 
 # text (``<pic>...</pic>`` marks PIC segments), {"prompt_token_ids": [...]}, or explicit segments
@@ -28,7 +29,8 @@ class LLM:
 
     ``options`` are any field of ``EngineConfig`` / ``CacheConfig`` / ``SchedulerConfig``
     (``page_size``, ``num_pages``, ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``,
-    ``attention_backend``, ``seed``, ``pic_backend``, ...), and vLLM's ``tokenizer`` (a directory or hub id to
+    ``attention_backend``, ``seed``, ``pic_backend``, ``chat_template`` (a file or the Jinja text, replacing the
+    checkpoint's), ...), and vLLM's ``tokenizer`` (a directory or hub id to
     take the tokenizer from), ``skip_tokenizer_init`` (no tokenizer: prompts as ``{"prompt_token_ids": [...]}``,
     outputs without text) and ``revision`` (of a hub id; a ValueError for a local path, which has none).
 
@@ -70,22 +72,33 @@ class LLM:
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool | Callable[..., Any] = True,
-             pic_backend: str | None = ENGINE_DEFAULT) -> list[RequestOutput]:
+             pic_backend: str | None = ENGINE_DEFAULT, *, chat_template: str | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
         """Apply the chat template to one conversation (a list of messages) or a list of them. Contents may be
-        strings or OpenAI content-part lists (text parts; an image part is a ValueError for text models)."""
+        strings or OpenAI content-part lists (text parts; an image part is a ValueError for text models).
+
+        As vLLM's: ``chat_template`` (a file or the Jinja text) replaces the model's for these conversations;
+        ``chat_template_kwargs`` are extra template variables (``enable_thinking``, ...); ``add_generation_prompt``
+        opens the assistant's turn; ``continue_final_message`` leaves the last (assistant) message open for the
+        model to continue (set ``add_generation_prompt=False`` with it); ``tools`` (OpenAI function definitions)
+        are rendered by the template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if not conversations:
             raise ValueError("no conversation given")
-        requests = [self._tokenize_chat(flatten_content_parts(c)) for c in conversations]
+        options = ChatOptions(add_generation_prompt, continue_final_message, dict(chat_template_kwargs or {}),
+                              load_chat_template(chat_template) if chat_template is not None else None)
+        requests = [self._tokenize_chat(flatten_content_parts(c), tools, options) for c in conversations]
         return self._run(requests, self._params_per_prompt(sampling_params, len(requests)), pic_backend, use_tqdm)
 
-    def _tokenize_chat(self, conversation: list[Message]) -> tuple[str | None, list[int] | SegmentedPrompt]:
+    def _tokenize_chat(self, conversation: list[Message], tools: list[dict[str, Any]] | None,
+                       options: ChatOptions) -> tuple[str | None, list[int] | SegmentedPrompt]:
         tokenizer = self._tokenizer()
         tagged = any(isinstance(m.get("content"), str) and any(t in m["content"] for t in _TAGS)
                      for m in conversation)
         if tagged:
-            return None, tokenizer.segment_chat(conversation)
-        return tokenizer.apply_chat_template(conversation)
+            return None, tokenizer.segment_chat(conversation, tools, options)
+        return tokenizer.apply_chat_template(conversation, tools, options)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int] | SegmentedPrompt]:
         if isinstance(prompt, str):
@@ -114,7 +127,10 @@ class LLM:
              pic_backend: str | None = ENGINE_DEFAULT,
              use_tqdm: bool | Callable[..., Any] = False) -> list[RequestOutput]:
         engine = self.llm_engine
-        admitted = [admit(engine, prompt, p, pic_backend, text)  # all of them before any is scheduled
+        if engine.tokenizer is None and any(p.bad_words for p in params):
+            raise ValueError("bad_words need a tokenizer; this LLM was made with skip_tokenizer_init=True")
+        admitted = [admit(engine, truncate_prompt(prompt, p.truncate_prompt_tokens, engine.max_model_len), p,
+                          pic_backend, text)  # all of them before any is scheduled
                     for (text, prompt), p in zip(requests, params)]
         bar = _progress_bar(use_tqdm, len(admitted))  # a bad use_tqdm is refused before anything is queued
         request_ids = [str(next(self._request_counter)) for _ in admitted]

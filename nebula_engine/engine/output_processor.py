@@ -1,4 +1,8 @@
-"""Per-request output state: incremental text, stop conditions, the final ``RequestOutput``."""
+"""Per-request output state: incremental text, stop conditions, the final ``RequestOutput``.
+
+A request's ``bad_words`` are tokenized here, by the engine's own tokenizer, when its sequence is added: every
+path into an engine (offline, the HTTP API, a cluster peer) passes through ``add``.
+"""
 
 from __future__ import annotations
 
@@ -24,6 +28,8 @@ class OutputProcessor:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
 
     def add(self, seq: Sequence) -> None:
+        if seq.sampling_params.bad_words and self.tokenizer is not None:
+            seq.sampling_params = seq.sampling_params.with_bad_words_tokenized(self.tokenizer.encode_plain)
         skip = seq.sampling_params.skip_special_tokens
         self._detokenizers[seq.seq_id] = (IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, skip)
                                           if self.tokenizer is not None else NoText())
@@ -47,12 +53,15 @@ class OutputProcessor:
         if may_stop and not params.ignore_eos and token in self.eos_token_ids:
             return StopDecision("stop")  # EOS itself never reaches the text
         if may_stop and token in params.stop_token_ids:
+            if params.include_stop_str_in_output:
+                detokenizer.add_token(token)
             return StopDecision("stop", token)
         delta = detokenizer.add_token(token)
         if delta and params.stop and seq.num_output_tokens > params.min_tokens:  # vLLM's detokenizer: strictly after
             stop = find_stop_string(detokenizer.text, len(delta), params.stop)
             if stop is not None:
-                detokenizer.truncate(stop[1])
+                kept = len(stop[0]) if params.include_stop_str_in_output else 0
+                detokenizer.truncate(stop[1] + kept)
                 return StopDecision("stop", stop[0])
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return StopDecision("length")

@@ -1,5 +1,5 @@
-"""Token sampling, vLLM's order: grammar mask, min_tokens, logit bias, penalties, then greedy or temperature,
-min-p, top-k, top-p; per-request seeds.
+"""Token sampling, vLLM's order: grammar mask, allowed token ids, min_tokens, bad words, logit bias, penalties,
+then greedy or temperature, min-p, top-k, top-p; per-request seeds.
 
 Every transform runs on the whole batch at once (``logits_processors``); the per-row Python work is building a
 row's settings, never a pass over the vocabulary. Penalties read per-sequence token counts kept here as tensors
@@ -182,8 +182,12 @@ class Sampler:
         """Grammar mask, min_tokens, logit bias, penalties: the transforms greedy rows get too."""
         if any(r.grammar is not None for r in rows):
             logits = self._apply_grammar(logits, rows)
+        if any(r.params.allowed_token_ids is not None for r in rows):
+            logits = self._apply_allowed(logits, rows)
         masked = [(i, t, float("-inf")) for i, r in enumerate(rows)
                   if r.history.num_output_tokens < r.params.min_tokens for t in self._stop_ids(r.params)]
+        masked += [(i, t, float("-inf")) for i, r in enumerate(rows) if r.params.bad_words_token_ids
+                   for t in banned_tokens(r.params.bad_words_token_ids, r.history) if t < logits.shape[-1]]
         biased = [(i, t, b) for i, r in enumerate(rows) for t, b in (r.params.logit_bias or {}).items()]
         if masked or biased:
             logits = logits.clone()
@@ -208,6 +212,19 @@ class Sampler:
 
     def _stop_ids(self, params: SamplingParams) -> tuple[int, ...]:
         return params.stop_token_ids + (() if params.ignore_eos else self.eos_token_ids)
+
+    @staticmethod
+    def _apply_allowed(logits: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
+        """Rows with ``allowed_token_ids`` keep those logits only (ids past the vocabulary allow nothing more)."""
+        vocab = logits.shape[-1]
+        allowed = [(i, t, 0.0) for i, r in enumerate(rows) if r.params.allowed_token_ids is not None
+                   for t in r.params.allowed_token_ids if t < vocab]
+        restricted = torch.tensor([r.params.allowed_token_ids is not None for r in rows], device=logits.device)
+        mask = torch.zeros_like(logits, dtype=torch.bool)
+        if allowed:
+            index_rows, cols, _ = sparse_rows(allowed, logits.device)
+            mask[index_rows, cols] = True
+        return logits.masked_fill(restricted[:, None] & ~mask, float("-inf"))
 
     @staticmethod
     def _apply_grammar(logits: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
@@ -252,11 +269,24 @@ class Sampler:
         return result
 
 
+def banned_tokens(bad_words_token_ids: Sequence[Sequence[int]], history: RowHistory) -> list[int]:
+    """The tokens that would complete a bad word now (vLLM's rule): a one-token word always; a longer one when the
+    output so far ends with all but its last token."""
+    output = history.token_ids[history.num_prompt_tokens:]
+    banned = []
+    for word in bad_words_token_ids:
+        prefix = word[:-1]
+        if len(prefix) <= len(output) and (not prefix or list(output[len(output) - len(prefix):]) == list(prefix)):
+            banned.append(word[-1])
+    return banned
+
+
 def top_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, ks: list[int]) -> list[TopLogprobs]:
-    """For each row of ``logprobs`` [m, V]: its token ``tokens`` [m] then its top ``ks[row]``, with their logprobs
-    and ranks (vLLM's rank: the number of tokens at least as likely)."""
+    """For each row of ``logprobs`` [m, V]: its token ``tokens`` [m] then its top ``ks[row]`` (at most the whole
+    vocabulary), with their logprobs and ranks (vLLM's rank: the number of tokens at least as likely)."""
     chosen = logprobs.gather(1, tokens[:, None])
     ranks = (logprobs >= chosen).sum(dim=-1).tolist()
+    ks = [min(k, logprobs.shape[-1]) for k in ks]
     k_max = max(ks)
     top_values, top_ids = logprobs.topk(k_max, dim=-1) if k_max else (logprobs[:, :0], logprobs[:, :0].long())
     top_values, top_ids = top_values.tolist(), top_ids.tolist()

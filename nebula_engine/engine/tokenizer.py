@@ -2,12 +2,73 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from nebula_engine.engine.sampling_params import check_unicode
 
 Message = dict[str, Any]
+JINJA_CHARS = "{}\n"  # vLLM's test: a --chat-template value holding none of these is meant as a file path
+# apply_chat_template's own parameters: chat_template_kwargs may not set them (they have their own fields)
+RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
+                                      "add_generation_prompt", "continue_final_message", "tokenize", "padding",
+                                      "truncation", "max_length", "return_tensors", "return_dict",
+                                      "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """How a conversation is rendered (vLLM's chat request fields): ``add_generation_prompt`` ends it with the
+    assistant's turn opener; ``continue_final_message`` leaves the last (assistant) message open, so the model
+    continues it; ``template_kwargs`` are extra template variables (``enable_thinking``, ...)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    chat_template: str | None = None  # this conversation's template (``load_chat_template``): the tokenizer's else
+
+    def __post_init__(self) -> None:
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
+        if not isinstance(self.template_kwargs, Mapping):
+            raise ValueError(f"chat_template_kwargs must be an object, got {type(self.template_kwargs).__name__}")
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(self.template_kwargs))
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)} (each has its own option)")
+
+
+def load_chat_template(value: str) -> str:
+    """A ``--chat-template`` value, as vLLM reads it: the file it names, else (if it looks like Jinja) the template
+    itself; a one-line template has its backslash escapes (``\\n``) decoded, as a shell passes them. ValueError for
+    a missing file or a template that does not parse."""
+    import codecs
+
+    import jinja2
+
+    template = None
+    if not any(c in value for c in JINJA_CHARS):
+        path = Path(value).expanduser()
+        try:
+            template = path.read_text()
+        except OSError as exc:
+            raise ValueError(f"the chat template {value!r} looks like a file path, but it cannot be read: "
+                             f"{exc.strerror or exc}") from exc
+    elif "\n" in value:
+        template = value  # a template's own text
+    else:
+        path = Path(value).expanduser()
+        try:
+            template = path.read_text() if path.is_file() else None
+        except OSError:  # too long for a path: the template itself
+            template = None
+        if template is None:
+            template = codecs.decode(value.encode("latin-1", "backslashreplace"), "unicode_escape")
+    try:
+        jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"the chat template does not parse: {exc} (line {exc.lineno})") from exc
+    return template
 
 
 class Tokenizer:
@@ -22,7 +83,9 @@ class Tokenizer:
     never reconfigured, so threads can share it. The ids equal ``hf.encode``'s.
     """
 
-    def __init__(self, checkpoint: str | Path):
+    def __init__(self, checkpoint: str | Path, chat_template: str | None = None):
+        """``chat_template``: replaces the checkpoint's (a file or the Jinja text, ``load_chat_template``)."""
+        self._chat_template = load_chat_template(chat_template) if chat_template is not None else None
         path = Path(checkpoint)
         if path.suffix == ".gguf" and path.is_file():
             self.hf = _gguf_tokenizer(path)
@@ -62,29 +125,36 @@ class Tokenizer:
         prefix = self.prompt_prefix_ids
         return segment_prompt(text, self.encode_plain, prefix[0] if len(prefix) == 1 else None)
 
-    def segment_chat(self, messages: list[Message], tools: list[dict[str, Any]] | None = None):
+    def segment_chat(self, messages: list[Message], tools: list[dict[str, Any]] | None = None,
+                     options: ChatOptions = ChatOptions()):
         """A conversation whose contents may carry ``<pic>`` tags -> ``SegmentedPrompt``; ``tools``: OpenAI
         function definitions, rendered by the template (``apply_chat_template``)."""
         from nebula_engine.pic.segments import segment_chat
 
-        return segment_chat(messages, lambda m: self.apply_chat_template(m, tools)[0], self.encode_plain)
+        return segment_chat(messages, lambda m: self.apply_chat_template(m, tools, options)[0], self.encode_plain)
 
     @property
     def chat_template(self) -> str | dict[str, str] | None:
-        """The Jinja template (or HF's named templates), None without one."""
-        return getattr(self.hf, "chat_template", None) or None
+        """The Jinja template (or HF's named templates), None without one; the one given at construction wins."""
+        return self._chat_template or getattr(self.hf, "chat_template", None) or None
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[Message], tools: list[dict[str, Any]] | None = None,
-                            add_generation_prompt: bool = True) -> tuple[str, list[int]]:
-        """(prompt text, token ids) of a conversation, ending with the assistant's turn opener; ``tools`` is the
-        template's ``tools`` variable, as in Hugging Face's ``apply_chat_template(tools=...)``."""
-        if not self.chat_template:
-            raise ValueError("this model's tokenizer has no chat template; use generate() with plain prompts")
-        text = self.hf.apply_chat_template(messages, tools=tools, tokenize=False,
-                                           add_generation_prompt=add_generation_prompt)
+                            options: ChatOptions = ChatOptions()) -> tuple[str, list[int]]:
+        """(prompt text, token ids) of a conversation, by default ending with the assistant's turn opener
+        (``options``); ``tools`` is the template's ``tools`` variable, as in Hugging Face's
+        ``apply_chat_template(tools=...)``."""
+        if not (options.chat_template or self.chat_template):
+            raise ValueError("this model's tokenizer has no chat template; use generate() with plain prompts, or "
+                             "give one (--chat-template, LLM(chat_template=...))")
+        if options.continue_final_message and (not messages or messages[-1].get("role") != "assistant"):
+            raise ValueError("continue_final_message needs the last message to be the assistant's")
+        text = self.hf.apply_chat_template(messages, tools=tools, tokenize=False, chat_template=options.chat_template or self._chat_template,
+                                           add_generation_prompt=options.add_generation_prompt,
+                                           continue_final_message=options.continue_final_message,
+                                           **options.template_kwargs)
         # the template already carries BOS and role markers
         return text, self.encode_plain(text)
 

@@ -1,16 +1,18 @@
 """The OpenAI-compatible HTTP API over any ``EngineClient``: ``build_app(client, model_name, api_key=...)``.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both stream with ``"stream": true``),
-``GET /v1/models``, ``GET /v1/models/{id}``, vLLM's ``POST /tokenize`` and ``POST /detokenize``, ``GET /health``,
-``GET /metrics``. With an API key every ``/v1`` route and the two tokenizer routes need it
-(``guards.APIKeyGuard``); a body over ``max_request_bytes`` is a 413 before it is parsed (``guards.BodySizeLimit``).
+``POST /v1/responses`` and ``GET /v1/responses/{id}`` (``openai_responses``), ``GET /v1/models``,
+``GET /v1/models/{id}``, vLLM's ``POST /tokenize``, ``POST /detokenize`` and ``GET /version``, ``GET /health``,
+``GET /metrics``. With an API key every route but ``/health`` (and, unless protected too, ``/metrics``) needs it
+(``guards.APIKeyGuard``); a body over ``max_request_bytes`` is a 413 before it is parsed, one that arrives too
+slowly a 408 (``guards.BodySizeLimit``); a request asking for more work than ``limits.ClientLimits`` allow a 400.
 
 A request is validated and tokenized (in a worker thread: a long prompt must not stall the event loop, which
 also answers ``/health``), then its first output is awaited before any status is sent, so every invalid
 request (including what only the engine can check) is a 400 and never a half-open stream. After that a stream
 reports an engine failure as an error event followed by ``[DONE]``. A client that goes away (streaming or not)
-has its request aborted in the engine. An unexpected server error is a 500 whose body names only an error id;
-the traceback goes to the log under that id.
+has its request aborted in the engine. An unexpected server error (an engine failure included) is a 500 whose body
+names only an id and what to do; the exception goes to the log under that id (``errors.internal_error``).
 """
 
 from __future__ import annotations
@@ -29,11 +31,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nebula_engine.engine.outputs import RequestOutput
 from nebula_engine.server.engine_client import EngineClient, EngineDeadError, EngineError
-from nebula_engine.server.errors import INTERNAL_ERROR, APIError, from_validation_errors
-from nebula_engine.server.guards import APIKeyGuard, BodySizeLimit
+from nebula_engine.server.errors import APIError, from_validation_errors, internal_error, unavailable
+from nebula_engine.server.guards import PROBE_ROUTES, APIKeyGuard, BodySizeLimit, check_cost
 from nebula_engine.server.inputs import EngineInput, OutputSettings, chat_input, completion_input
-from nebula_engine.server.limits import DEFAULT_MAX_REQUEST_BYTES
-from nebula_engine.server.metrics import ServerMetrics
+from nebula_engine.server.limits import DEFAULT_MAX_REQUEST_BYTES, ClientLimits
+from nebula_engine.server.protocol import MAX_LOGPROBS
+from nebula_engine.server.metrics import ServerMetrics, package_version
+from nebula_engine.server.openai_responses import ResponsesAPI
 from nebula_engine.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                            DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
                                            TokenizeResponse)
@@ -50,26 +54,28 @@ ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat_com
 
 def build_app(client: EngineClient, model_name: str, *, api_key: str | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, tool_call_parser: str | None = None,
-              disable_any_whitespace: bool = False) -> FastAPI:
+              disable_any_whitespace: bool = False, max_logprobs: int = MAX_LOGPROBS,
+              limits: ClientLimits = ClientLimits(), open_metrics: bool = True) -> FastAPI:
     """The app; ``app.state.metrics`` is its ``ServerMetrics`` (``register`` more collectors there).
 
     ``tool_call_parser``: the format of tool calls in the model's output (``tool_parsers.TOOL_PARSERS``); None:
     recognised from the model's chat template. ``disable_any_whitespace``: constrained JSON outputs
-    (``response_format``, forced tool calls) are compact (vLLM's structured-outputs option).
+    (``response_format``, forced tool calls) are compact (vLLM's structured-outputs option). ``max_logprobs``:
+    the most logprobs per token a request may ask (vLLM's ``--max-logprobs``).
 
-    ``api_key``: when given, every ``/v1`` route, ``/tokenize`` and ``/detokenize`` need ``Authorization: Bearer
-    <api_key>`` (401 otherwise); ``/health``, ``/metrics`` and other routes added outside ``/v1`` stay open. ``max_request_bytes``: a larger request
-    body is a 413."""
+    ``api_key``: when given, every route needs ``Authorization: Bearer <api_key>`` (401 otherwise) but ``/health``
+    and, with ``open_metrics``, ``/metrics`` (``guards.APIKeyGuard``). ``max_request_bytes``: a larger request
+    body is a 413. ``limits``: how long a body may take to arrive (408) and the per-request cost caps (400)."""
     app = FastAPI(title="nebula-engine", docs_url=None, redoc_url=None)
-    metrics = ServerMetrics(client.stats)
+    metrics = ServerMetrics(client.stats, model_name)
     app.state.metrics = metrics
-    server = _Server(client, model_name, metrics)
+    server = _Server(client, model_name, metrics, limits)
     parser = tool_parser(tool_call_parser) if tool_call_parser else parser_for_template(client.tokenizer.chat_template)
-    settings = OutputSettings(parser, disable_any_whitespace)
+    settings = OutputSettings(parser, disable_any_whitespace, max_logprobs)
     _add_error_handlers(app, metrics)
-    app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
-    if api_key is not None:
-        app.add_middleware(APIKeyGuard, api_key=api_key)  # added last: runs first, before the body is read
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes, timeout_s=limits.body_timeout_s)
+    if api_key is not None:  # added last: runs first, before the body is read
+        app.add_middleware(APIKeyGuard, api_key=api_key, open_routes=PROBE_ROUTES if open_metrics else ("/health",))
 
     @app.get("/health")
     async def health() -> Response:
@@ -87,6 +93,10 @@ def build_app(client: EngineClient, model_name: str, *, api_key: str | None = No
                            param="model", code="model_not_found")
         return ModelCard(id=model_name, max_model_len=client.max_model_len)
 
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": package_version()}
+
     @app.get("/metrics")
     async def scrape() -> Response:
         body, content_type = metrics.render()
@@ -96,6 +106,8 @@ def build_app(client: EngineClient, model_name: str, *, api_key: str | None = No
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         return await server.serve(raw, body, "completions", "cmpl",
                                   lambda: completion_input(body, client.tokenizer, client.max_model_len, settings))
+
+    ResponsesAPI(client, model_name, settings, server.in_worker, metrics).add_routes(app)  # /v1/responses
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
@@ -116,8 +128,8 @@ def build_app(client: EngineClient, model_name: str, *, api_key: str | None = No
 
 
 class _Server:
-    def __init__(self, client: EngineClient, model_name: str, metrics: ServerMetrics):
-        self.client, self.model_name, self.metrics = client, model_name, metrics
+    def __init__(self, client: EngineClient, model_name: str, metrics: ServerMetrics, limits: ClientLimits):
+        self.client, self.model_name, self.metrics, self.limits = client, model_name, metrics, limits
         # one thread, as vLLM's tokenizer executor: requests are tokenized in arrival order, never concurrently
         self._tokenize = ThreadPoolExecutor(1, thread_name_prefix="nebula-tokenize")
 
@@ -129,11 +141,13 @@ class _Server:
         arrival = time.perf_counter()
         self.check_model(body.model)
         engine_input = await self.in_worker(make_input)
-        request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        check_cost(engine_input, self.limits, self.client.max_model_len)
+        request_id = f"{id_prefix}-{engine_input.request_id or uuid.uuid4().hex}"
         request_ids = [request_id] if len(engine_input.prompts) == 1 else \
             [f"{request_id}-{i}" for i in range(len(engine_input.prompts))]  # a completions batch: one per prompt
         route = {"route": engine_input.route} if engine_input.route is not None else {}
-        streams = [self.client.generate(rid, prompt, engine_input.params, engine_input.pic_backend, **route)
+        streams = [self.metrics.timed(self.client.generate(rid, prompt, engine_input.params, engine_input.pic_backend,
+                                                           **route), arrival)
                    for rid, prompt in zip(request_ids, engine_input.prompts)]
         firsts = await self._first_outputs(streams, request_ids)
         for first in firsts:
@@ -156,14 +170,14 @@ class _Server:
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            raise APIError(f"model {model!r} does not exist; this server serves {self.model_name!r}",
+            raise APIError(f"model {model!r} does not exist; this server serves {self.model_name!r}", status=404,
                            param="model", code="model_not_found")
 
     async def _first_outputs(self, streams: list[AsyncIterator[RequestOutput]],
                              request_ids: list[str]) -> list[RequestOutput]:
         """Each stream's first output, so that every invalid request is a 400; on any failure all are aborted."""
         try:
-            return [await self._first_output(stream) for stream in streams]
+            return [await self._first_output(stream, request_id) for stream, request_id in zip(streams, request_ids)]
         except BaseException:
             for stream, request_id in zip(streams, request_ids):
                 self.client.abort(request_id)
@@ -171,13 +185,13 @@ class _Server:
             raise
 
     @staticmethod
-    async def _first_output(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+    async def _first_output(stream: AsyncIterator[RequestOutput], request_id: str) -> RequestOutput:
         try:
             return await anext(stream)
         except ValueError as exc:  # the engine's own checks (vocabulary, PIC backend, ...): field unknown here
             raise APIError(str(exc)) from exc
         except EngineError as exc:
-            raise _engine_failure(exc) from exc
+            raise _engine_failure(exc, request_id) from exc
 
     async def _events(self, stream_format: CompletionStream, firsts: list[RequestOutput],
                       streams: list[AsyncIterator[RequestOutput]], request_ids: list[str],
@@ -195,11 +209,11 @@ class _Server:
             status = "ok"
         except EngineError as exc:
             status = "error"
-            yield _engine_failure(exc).sse_event()
+            yield _engine_failure(exc, request_ids[0]).sse_event()
             yield "data: [DONE]\n\n"
         except Exception as exc:  # a bug of ours: the client still gets an end, and no internals
             status = "error"
-            yield _internal_error(exc).sse_event()
+            yield internal_error(exc, request_ids[0]).sse_event()
             yield "data: [DONE]\n\n"
         finally:
             for request_id in request_ids:
@@ -229,7 +243,7 @@ class _Server:
         except EngineError as exc:
             for request_id in request_ids:
                 self.client.abort(request_id)
-            raise _engine_failure(exc) from exc
+            raise _engine_failure(exc, request_ids[0]) from exc
 
 
 async def _merged(firsts: list[RequestOutput], streams: list[AsyncIterator[RequestOutput]]
@@ -268,9 +282,12 @@ async def _wait_for_disconnect(raw: Request) -> None:
         pass
 
 
-def _engine_failure(exc: EngineError) -> APIError:
-    status = 503 if isinstance(exc, EngineDeadError) else 500
-    return APIError(str(exc), status=status, type=INTERNAL_ERROR, code="engine_error")
+def _engine_failure(exc: EngineError, request_id: str) -> APIError:
+    """503 with the reason when no engine can serve (its messages are written for users); otherwise a 500 whose
+    detail stays in the log (``errors.internal_error``)."""
+    if isinstance(exc, EngineDeadError):
+        return unavailable(str(exc), request_id)
+    return internal_error(exc, request_id)
 
 
 def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
@@ -293,13 +310,5 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
         return respond(request, APIError(str(exc.detail), status=exc.status_code, code=str(exc.status_code)))
 
     @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
-        return respond(request, _internal_error(exc))
-
-
-def _internal_error(exc: Exception) -> APIError:
-    """A 500 that names an error id; the traceback is logged under it, never sent."""
-    error_id = uuid.uuid4().hex[:12]
-    logger.error("internal error %s", error_id, exc_info=exc)
-    return APIError(f"internal server error (id {error_id}); the server log has the details", status=500,
-                    type=INTERNAL_ERROR)
+    async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+        return respond(request, internal_error(exc))

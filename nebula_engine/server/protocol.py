@@ -1,11 +1,16 @@
-"""OpenAI wire format: request bodies (validated, unknown fields rejected) and response bodies.
+"""OpenAI wire format: request bodies (validated; unknown fields ignored, as vLLM does) and response bodies.
 
 Requests carry what OpenAI's chat and completions APIs define as agents use them (content parts, tools,
 ``tool_choice``, ``role: "tool"`` messages, ``n``, logprobs, penalties, ``logit_bias``, ``response_format``)
 plus vLLM's sampling extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
-``stop_token_ids``). An explicit JSON ``null`` means "absent" for every optional field, as the OpenAI spec
-allows, except ``pic_backend`` where null turns PIC off. A value we cannot honour (``echo``, ``best_of``,
-``suffix``, image content) is a 400 naming that field rather than being silently ignored. Every number is
+``stop_token_ids``, ``bad_words``, ``allowed_token_ids``, ``include_stop_str_in_output``,
+``truncate_prompt_tokens``, ``skip_special_tokens``, ``spaces_between_special_tokens``, ``return_tokens_as_token_ids``,
+``request_id``, ``stream_options.continuous_usage_stats``; chat's ``chat_template_kwargs``, ``add_generation_prompt``,
+``continue_final_message``, ``echo``). A field this server does not know is accepted and ignored; the server names
+such fields in one warning per request (``ignored_fields``), as vLLM does. An explicit JSON ``null`` means "absent"
+for every optional field, as the OpenAI spec allows, except ``pic_backend`` where null turns PIC off. A known field
+whose value we cannot honour (``best_of``, ``suffix``, image content) is a 400 naming that field rather than being
+silently ignored. Every number is
 bounded by what the engine can hold (``sampling_params``' bounds; OpenAI's ranges where it has them), floats
 must be finite, and text must be valid Unicode (JSON can carry lone surrogates, which no tokenizer encodes).
 Nebula extensions: ``segments`` (explicit PIC / regular token segments), ``pic_backend`` (per-request
@@ -17,16 +22,19 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_serializer,
+                      model_validator)
 from pydantic_core import PydanticCustomError
 
 from nebula_engine.engine.sampling_params import (INT64_MAX, INT64_MIN, MAX_STOP_CHARS, MAX_STOP_SEQUENCES,
                                                   MAX_TOKEN_ID, MAX_TOP_K, check_unicode)
+from nebula_engine.engine.tokenizer import RESERVED_TEMPLATE_KWARGS, ChatOptions
 
 # OpenAI's API reference bounds: n "<= 128", top_logprobs "between 0 and 20", penalties "between -2.0 and 2.0",
-# logit_bias values "from -100 to 100"; completions' logprobs is capped at vLLM's default max_logprobs (20)
+# logit_bias values "from -100 to 100"; logprobs are capped by the server's --max-logprobs (vLLM's, default 20)
 MAX_N = 128
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+MAX_BAD_WORDS = 1024  # each is checked against the output on every token; word lists in practice are far shorter
 MAX_OPENAI_PENALTY = 2.0
 MAX_LOGIT_BIAS = 100.0
 NULL_MEANS_SOMETHING = frozenset({"pic_backend"})  # null turns PIC off; every other null is "absent"
@@ -51,9 +59,10 @@ JSONObject = dict[str, Any]
 
 
 class _Strict(BaseModel):
-    """Unknown fields rejected; an explicit null is the same as leaving the field out."""
+    """Known fields are type-checked strictly; unknown fields are kept aside (``ignored_fields``) and ignored. An
+    explicit null is the same as leaving the field out."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -63,8 +72,22 @@ class _Strict(BaseModel):
         return data
 
 
+def ignored_fields(model: BaseModel, path: str = "") -> list[str]:
+    """The dotted names of every field of ``model`` (and of the models inside it) that this server does not know."""
+    names = [f"{path}{name}" for name in (model.model_extra or {})]
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        items = value if isinstance(value, list) else [value]
+        for index, item in enumerate(items):
+            if isinstance(item, BaseModel):
+                where = f"{path}{name}[{index}]." if isinstance(value, list) else f"{path}{name}."
+                names += ignored_fields(item, where)
+    return names
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage on every chunk, not only on the last
 
 
 class Segment(_Strict):
@@ -107,6 +130,7 @@ class StructuredOutputs(_Strict):
 
 class SamplingFields(_Strict):
     model: Text
+    request_id: Optional[Text] = Field(None, min_length=1, max_length=256)  # vLLM's: the base of the response id
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -125,7 +149,15 @@ class SamplingFields(_Strict):
     logit_bias: Optional[dict[StrictStr, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]]] = None
     response_format: Optional[ResponseFormat] = None
     structured_outputs: Optional[StructuredOutputs] = None
-    prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's: each prompt token's and top k
+    prompt_logprobs: Optional[int] = Field(None, ge=0)  # vLLM's: each prompt token's and top k (<= --max-logprobs)
+    bad_words: Optional[Annotated[list[Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]],
+                                  Field(max_length=MAX_BAD_WORDS)]] = None
+    allowed_token_ids: Optional[Annotated[list[TokenId], Field(min_length=1)]] = None
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: Optional[int] = Field(None, ge=-1, le=INT64_MAX)  # keep the last k; -1: max_model_len
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>" (vLLM's)
     user: Optional[Text] = None  # accepted and ignored, as OpenAI documents it (end-user id for abuse tracking)
     pic_backend: Optional[Text] = None  # absent: the engine's default; null: PIC off for this request
     prefill_peer: Optional[Text] = None  # cluster only: run the combine prefill on this peer (debugging, tests)
@@ -136,6 +168,9 @@ class SamplingFields(_Strict):
             raise unsupported("stream_options", "stream_options is only allowed when stream is true")
         if self.prompt_logprobs is not None and self.stream:
             raise unsupported("prompt_logprobs", "prompt_logprobs are not available when streaming (as in vLLM)")
+        if self.truncate_prompt_tokens == 0:
+            raise unsupported("truncate_prompt_tokens", "truncate_prompt_tokens must be a positive number of tokens, "
+                                                        "or -1 (the model's maximum length)")
         if self.structured_outputs is not None and self.response_format is not None \
                 and self.response_format.type != "text":
             raise unsupported("structured_outputs", "give structured_outputs or response_format, not both")
@@ -147,7 +182,12 @@ class SamplingFields(_Strict):
 
     @property
     def include_usage_in_stream(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        return self.stream_options is not None and (self.stream_options.include_usage or
+                                                    self.stream_options.continuous_usage_stats)
+
+    @property
+    def continuous_usage_in_stream(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
     @property
     def token_logit_bias(self) -> dict[int, float] | None:
@@ -158,9 +198,9 @@ class CompletionRequest(SamplingFields):
     # one prompt or a batch, each text or token ids (vLLM's forms); a batch gives n choices per prompt
     prompt: Union[Text, list[TokenId], list[Text], list[list[TokenId]], None] = None
     segments: Optional[list[Segment]] = None  # given: the prompt is these segments; ``prompt`` is ignored
-    max_tokens: Optional[TokenCount] = 16
-    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
+    max_tokens: Optional[Annotated[int, Field(ge=0, le=INT64_MAX)]] = 16  # 0 with echo: score the prompt only
+    logprobs: Optional[int] = Field(None, ge=0)  # <= the server's --max-logprobs
+    echo: bool = False  # the prompt is prepended to the text (and its tokens to the logprobs)
     best_of: Optional[int] = None
     suffix: Optional[Text] = None
 
@@ -170,11 +210,17 @@ class CompletionRequest(SamplingFields):
             raise unsupported("prompt", "prompt is required (or nebula's segments)")
         if self.segments is not None and not self.segments:
             raise unsupported("segments", "segments must not be empty")
-        for name, asked in (("echo", self.echo), ("best_of", self.best_of not in (None, self.n)),
-                            ("suffix", self.suffix is not None)):
+        for name, asked in (("best_of", self.best_of not in (None, self.n)), ("suffix", self.suffix is not None)):
             if asked:
                 raise unsupported(name, f"{name} is not supported")
+        if self.max_tokens == 0 and not self.echo:
+            raise unsupported("max_tokens", "max_tokens may be 0 only with echo (to score the prompt)")
         return self
+
+    @property
+    def score_only(self) -> bool:
+        """``echo`` with ``max_tokens: 0``: the prompt (and its logprobs) alone, nothing generated."""
+        return self.echo and self.max_tokens == 0
 
     @property
     def prompts(self) -> list[str | list[int]]:
@@ -253,10 +299,14 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: Optional[TokenCount] = None  # None: as many as the context allows
     max_completion_tokens: Optional[TokenCount] = None  # OpenAI's newer name for max_tokens
     logprobs: bool = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Optional[int] = Field(None, ge=0)  # <= the server's --max-logprobs
     tools: Optional[list[Tool]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: bool = True
+    chat_template_kwargs: Optional[JSONObject] = None  # vLLM's: extra template variables (enable_thinking, ...)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: bool = False  # vLLM's: the reply starts with the last message's content when that is the assistant's
 
     @model_validator(mode="after")
     def _chat_only_supported(self):
@@ -275,7 +325,25 @@ class ChatCompletionRequest(SamplingFields):
                             (self.response_format is not None and self.response_format.type != "text")):
             raise unsupported("tool_choice", "a forced tool_choice constrains the output itself: it cannot be "
                                              "combined with response_format or structured_outputs")
+        _check_chat_options(self)
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise unsupported("continue_final_message", "continue_final_message needs the last message to be the "
+                                                        "assistant's")
         return self
+
+    @property
+    def chat_options(self) -> ChatOptions:
+        return ChatOptions(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs or {})
+
+    @property
+    def echo_text(self) -> str:
+        """What an ``echo`` reply starts with: the last message's text when it is the assistant's (vLLM's rule)."""
+        last = self.messages[-1]
+        if not self.echo or last.role != "assistant" or last.content is None:
+            return ""
+        if isinstance(last.content, str):
+            return last.content
+        return "\n".join(part.get("text", "") for part in last.content if isinstance(part.get("text"), str))
 
     @property
     def max_output_tokens(self) -> int | None:
@@ -298,18 +366,35 @@ class TokenizeRequest(_Strict):
     tools: Optional[list[Tool]] = None
     add_special_tokens: Optional[bool] = None  # default: True for a prompt, False for messages (as vLLM)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Optional[JSONObject] = None
     return_token_strs: bool = False
 
     @model_validator(mode="after")
     def _one_input(self):
         if (self.prompt is None) == (self.messages is None):
             raise unsupported("prompt", "give exactly one of prompt and messages")
+        _check_chat_options(self)
         return self
+
+    @property
+    def chat_options(self) -> ChatOptions:
+        return ChatOptions(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs or {})
 
 
 class DetokenizeRequest(_Strict):
     model: Optional[Text] = None
     tokens: list[TokenId]
+
+
+def _check_chat_options(request: ChatCompletionRequest | TokenizeRequest) -> None:
+    if request.add_generation_prompt and request.continue_final_message:
+        raise unsupported("continue_final_message", "add_generation_prompt and continue_final_message cannot both "
+                                                    "be true (set add_generation_prompt to false)")
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(request.chat_template_kwargs or {}))
+    if reserved:
+        raise unsupported("chat_template_kwargs", f"chat_template_kwargs may not set {', '.join(reserved)} (each is "
+                                                  f"a field of its own)")
 
 
 def unsupported(param: str, message: str) -> PydanticCustomError:
@@ -321,11 +406,16 @@ def unsupported(param: str, message: str) -> PydanticCustomError:
 
 
 class NebulaUsage(BaseModel):
-    """How the prompt's cached tokens split; ``recomputed_tokens`` is part of ``pic_cached_tokens``."""
+    """How the prompt's reused tokens split: the prefix cache's hits, and where PIC ran (only then are they
+    present) the PIC segment tokens reused at a new position, of which ``recomputed_tokens`` were recomputed."""
 
     prefix_cached_tokens: int
-    pic_cached_tokens: int
-    recomputed_tokens: int
+    pic_cached_tokens: Optional[int] = None
+    recomputed_tokens: Optional[int] = None
+
+    @model_serializer(mode="wrap")
+    def _without_absent(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class PromptTokensDetails(BaseModel):

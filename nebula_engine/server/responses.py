@@ -5,18 +5,25 @@ numbers them. Engine outputs are cumulative; streams send deltas. While a comple
 string, the last ``len(longest stop) - 1`` characters are held back: the engine truncates the text before a stop
 string once it completes, so sending them early could emit text the final answer does not contain. With a tool
 parser, chat content is split into content and ``tool_calls`` (``tool_parsers``), streamed as OpenAI streams
-them: per call a chunk with its ``index``, ``id``, ``type`` and name (empty arguments), then its arguments.
+them: per call a chunk with its ``index``, ``id``, ``type`` and name (empty arguments), then its arguments. An output
+cut by ``max_tokens`` inside tool-call markup ends with ``finish_reason: length``: the unfinished call is dropped,
+never sent as content.
+
+``echo`` (completions) puts each prompt's text before its choices' text and its tokens' logprobs (the first
+``null``: nothing predicts it) before theirs; with ``max_tokens: 0`` (``score_only``) the choice is the prompt
+alone: the one token the engine sampled to get there is not reported.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from nebula_engine.engine.outputs import CompletionOutput, RequestOutput
-from nebula_engine.server.logprobs import TokenText, chat_logprobs, completion_logprobs, prompt_logprobs
+from nebula_engine.server.logprobs import (TokenText, chat_logprobs, completion_logprobs, echo_logprobs,
+                                           prompt_logprobs)
 from nebula_engine.server.protocol import (ChatChoice, ChatCompletionResponse, ChatLogprobs, ChatMessageOut,
                                            CompletionChoice, CompletionResponse, NebulaUsage, PromptTokensDetails,
                                            ToolCallOut, Usage)
@@ -34,22 +41,64 @@ class ChoiceFormat:
     top_logprobs: int | None = None  # None: no logprobs; k: each token's logprob and the k most likely
     tool_parser: ToolParser | None = None
     token_text: TokenText = str  # a token id -> its text (for logprobs)
+    echo: tuple[str, ...] | None = None  # completions' echo: each prompt's text; chat's: the one reply prefix
+    score_only: bool = False  # echo with max_tokens 0: report the prompt, not the token sampled after it
+    show_prompt_logprobs: bool = False  # vLLM's prompt_logprobs field (asked for), besides echo's logprobs
+    continuous_usage: bool = False  # stream usage on every chunk (vLLM's continuous_usage_stats)
 
 
 def sse_event(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
+def cached_tokens(output: RequestOutput) -> int:
+    """Prompt tokens whose KV existed before the request and was used as it was: prefix-cache hits, and PIC hits
+    less the tokens the backend recomputed. Recomputed tokens are not split between hit and freshly prefilled
+    segments, so a prompt that mixes both gets a lower bound."""
+    pic_hits = output.num_cached_tokens - output.num_prefix_cached_tokens
+    return output.num_prefix_cached_tokens + max(0, pic_hits - output.num_recomputed_tokens)
+
+
 def usage(outputs: RequestOutput | Sequence[RequestOutput]) -> Usage:
-    """Totals over every prompt of the request and every completion of each."""
+    """Totals over every prompt of the request and every completion of each; ``nebula`` names the PIC split only
+    for requests where PIC ran."""
     outputs = [outputs] if isinstance(outputs, RequestOutput) else outputs
     num_prompt = sum(len(o.prompt_token_ids) for o in outputs)
     num_completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    pic_ran = any(o.num_pic_cached_tokens for o in outputs)
+    split = NebulaUsage(prefix_cached_tokens=sum(o.num_prefix_cached_tokens for o in outputs))
+    if pic_ran:
+        split = NebulaUsage(prefix_cached_tokens=split.prefix_cached_tokens,
+                            pic_cached_tokens=sum(o.num_pic_cached_tokens for o in outputs),
+                            recomputed_tokens=sum(o.num_recomputed_tokens for o in outputs))
     return Usage(prompt_tokens=num_prompt, completion_tokens=num_completion, total_tokens=num_prompt + num_completion,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(o.num_cached_tokens for o in outputs)),
-                 nebula=NebulaUsage(prefix_cached_tokens=sum(o.num_prefix_cached_tokens for o in outputs),
-                                    pic_cached_tokens=sum(o.num_pic_cached_tokens for o in outputs),
-                                    recomputed_tokens=sum(o.num_recomputed_tokens for o in outputs)))
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(cached_tokens(o) for o in outputs)),
+                 nebula=split)
+
+
+def scored(output: RequestOutput, form: ChoiceFormat) -> RequestOutput:
+    """``output`` as the client sees it: with ``score_only``, its completions without the sampled token."""
+    if not form.score_only:
+        return output
+    completions = [replace(c, text="", token_ids=[], logprobs=[] if c.logprobs is not None else None,
+                           token_logprobs=[], finish_reason="length" if output.finished else None, stop_reason=None)
+                   for c in output.outputs]
+    return replace(output, outputs=completions)
+
+
+def _completion_logprobs(form: ChoiceFormat, output: RequestOutput, completion: CompletionOutput,
+                         echoed: bool):
+    """Completions' logprobs of ``completion``: the prompt's first when ``echoed``, then its generated tokens."""
+    generated = completion_logprobs(completion.token_ids, completion.logprobs, form.top_logprobs, form.token_text, 0)
+    if not echoed:
+        return generated
+    body = echo_logprobs(output.prompt_token_ids, output.prompt_logprobs, form.top_logprobs, form.token_text)
+    offset = sum(len(t) for t in body.tokens)
+    body.tokens += generated.tokens
+    body.token_logprobs += generated.token_logprobs
+    body.top_logprobs += generated.top_logprobs
+    body.text_offset += [offset + o for o in generated.text_offset]
+    return body
 
 
 def choice_index(prompt_index: int, n: int, completion: CompletionOutput) -> int:
@@ -59,15 +108,17 @@ def choice_index(prompt_index: int, n: int, completion: CompletionOutput) -> int
 def completion_response(response_id: str, model: str, finals: Sequence[RequestOutput],
                         form: ChoiceFormat) -> CompletionResponse:
     choices = []
+    finals = [scored(final, form) for final in finals]
     for prompt_index, final in enumerate(finals):
+        echo = form.echo[prompt_index] if form.echo is not None else ""
         for completion in final.outputs:
-            logprobs = None if form.top_logprobs is None else completion_logprobs(
-                completion.token_ids, completion.logprobs, form.top_logprobs, form.token_text, 0)
+            logprobs = None if form.top_logprobs is None else _completion_logprobs(
+                form, final, completion, form.echo is not None)
+            shown = prompt_logprobs(final.prompt_logprobs) if form.show_prompt_logprobs else None
             choices.append(CompletionChoice(index=choice_index(prompt_index, len(final.outputs), completion),
-                                            text=completion.text, logprobs=logprobs,
+                                            text=echo + completion.text, logprobs=logprobs,
                                             finish_reason=completion.finish_reason,
-                                            stop_reason=completion.stop_reason,
-                                            prompt_logprobs=prompt_logprobs(final.prompt_logprobs)))
+                                            stop_reason=completion.stop_reason, prompt_logprobs=shown))
     return CompletionResponse(id=response_id, model=model, usage=usage(finals), choices=choices)
 
 
@@ -76,8 +127,10 @@ def chat_response(response_id: str, model: str, final: RequestOutput, form: Choi
     for completion in final.outputs:
         content, calls = completion.text, ()
         if form.tool_parser is not None:
-            parsed = form.tool_parser.parse(completion.text)
+            parsed = form.tool_parser.parse(completion.text, truncated=completion.finish_reason == "length")
             content, calls = parsed.content, parsed.calls
+        if form.echo:
+            content = form.echo[0] + (content or "")
         logprobs = None if form.top_logprobs is None else ChatLogprobs(content=chat_logprobs(
             completion.token_ids, completion.logprobs, form.top_logprobs, form.token_text))
         message = ChatMessageOut(content=content, tool_calls=[
@@ -124,6 +177,7 @@ class _ChoiceState:
     text_offset: int = 0  # completions' logprobs: characters of the tokens sent so far
     called: bool = False
     done: bool = False
+    echoed: bool = False  # completions' echo: the prompt went out (in this choice's first chunk)
 
 
 class CompletionStream:
@@ -137,12 +191,17 @@ class CompletionStream:
         self._n, self._num_prompts = n, num_prompts
         self._created = int(time.time())
         self._choices: dict[int, _ChoiceState] = {}
+        self._latest: dict[int, RequestOutput] = {}  # prompt index -> its newest output (continuous usage)
 
     def opening(self) -> list[str]:
         return []
 
     def events(self, output: RequestOutput, prompt_index: int = 0) -> list[str]:
         events = []
+        output = scored(output, self._form)
+        self._latest[prompt_index] = output
+        self._prompt = output  # the output whose choices are being rendered (echo reads its prompt)
+        self._prompt_index = prompt_index
         for completion in output.outputs:
             index = choice_index(prompt_index, self._n, completion)
             state = self._choices.setdefault(index, self._new_state())
@@ -152,7 +211,10 @@ class CompletionStream:
 
     def closing(self, finals: RequestOutput | Sequence[RequestOutput]) -> list[str]:
         """After the last output: the usage chunk (if asked for) and ``[DONE]``."""
-        events = [self._event([], usage(finals).model_dump())] if self._include_usage else []
+        if isinstance(finals, RequestOutput):
+            finals = [finals]
+        finals = [scored(final, self._form) for final in finals]
+        events = [self._event([], usage(finals).model_dump(), final=True)] if self._include_usage else []
         return events + [DONE_EVENT]
 
     def _new_state(self) -> _ChoiceState:
@@ -163,6 +225,10 @@ class CompletionStream:
         finished = completion.finish_reason is not None
         delta = state.text.next(completion.text, finished)
         logprobs = self._new_logprobs(state, completion)
+        if self._form.echo is not None and not state.echoed:
+            state.echoed = True
+            delta = self._form.echo[self._prompt_index] + delta
+            logprobs = self._with_echoed_logprobs(state, logprobs)
         state.done = finished
         if not delta and not finished and logprobs is None:
             return []
@@ -183,10 +249,27 @@ class CompletionStream:
         state.text_offset += sum(len(t) for t in body.tokens)
         return body.model_dump()
 
-    def _event(self, choices: list[dict[str, Any]], usage_body: dict[str, Any] | None = None) -> str:
+    def _with_echoed_logprobs(self, state: _ChoiceState, generated: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The prompt's logprobs, then ``generated`` (already offset past them), for a choice's first chunk."""
+        if self._form.top_logprobs is None:
+            return generated
+        prompt = echo_logprobs(self._prompt.prompt_token_ids, self._prompt.prompt_logprobs, self._form.top_logprobs,
+                               self._form.token_text).model_dump()
+        shift = sum(len(t) for t in prompt["tokens"])
+        state.text_offset += shift
+        if generated is not None:
+            for key in ("tokens", "token_logprobs", "top_logprobs"):
+                prompt[key] += generated[key]
+            prompt["text_offset"] += [shift + o for o in generated["text_offset"]]
+        return prompt
+
+    def _event(self, choices: list[dict[str, Any]], usage_body: dict[str, Any] | None = None,
+               final: bool = False) -> str:
         chunk = {"id": self._id, "object": self.object, "created": self._created, "model": self._model,
                  "choices": choices}
         if self._include_usage:
+            if self._form.continuous_usage and not final and self._latest:
+                usage_body = usage(list(self._latest.values())).model_dump()
             chunk["usage"] = usage_body  # null on every chunk but the last, as OpenAI sends it
         return sse_event(chunk)
 
@@ -198,8 +281,12 @@ class ChatCompletionStream(CompletionStream):
     object = "chat.completion.chunk"
 
     def opening(self) -> list[str]:
-        return [self._event([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}]) for index in range(self._n * self._num_prompts)]
+        events = [self._event([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                "finish_reason": None}]) for index in range(self._n * self._num_prompts)]
+        if self._form.echo and self._form.echo[0]:
+            events += [self._choice(index, {"content": self._form.echo[0]})
+                       for index in range(self._n * self._num_prompts)]
+        return events
 
     def _choice_events(self, index: int, state: _ChoiceState, completion: CompletionOutput) -> list[str]:
         finished = completion.finish_reason is not None
@@ -207,7 +294,8 @@ class ChatCompletionStream(CompletionStream):
         if state.tools is None:
             content = state.text.next(completion.text, finished)
         else:
-            content, calls = state.tools.next(state.text.visible(completion.text, finished), finished)
+            content, calls = state.tools.next(state.text.visible(completion.text, finished), finished,
+                                              truncated=completion.finish_reason == "length")
         logprobs = self._new_logprobs(state, completion)
         state.called = state.called or bool(calls)
         state.done = finished

@@ -21,7 +21,7 @@ def tokenize_request(request: TokenizeRequest, tokenizer: Tokenizer, max_model_l
     else:
         try:
             text, _ = tokenizer.apply_chat_template(template_messages(request.messages),
-                                                    template_tools(request.tools), request.add_generation_prompt)
+                                                    template_tools(request.tools), request.chat_options)
         except (ValueError, TemplateError) as exc:  # no template, or the template's own checks
             raise APIError(f"cannot render the messages: {exc}", param="messages") from exc
         add_special = bool(request.add_special_tokens)

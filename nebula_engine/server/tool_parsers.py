@@ -64,10 +64,13 @@ class ToolParser(ABC):
         """The calls complete in ``markup`` (which starts at ``calls_start``), in order; ``finished``: the output
         ended, so an unterminated last call counts if its JSON is whole."""
 
-    def parse(self, text: str) -> ParsedOutput:
-        """A finished output -> content and calls."""
+    def parse(self, text: str, truncated: bool = False) -> ParsedOutput:
+        """A finished output -> content and calls. ``truncated``: it was cut (``max_tokens``), so markup that began
+        is an unfinished call: dropped (the complete calls before it kept), never returned as content."""
         start = self.calls_start(text)
-        calls = [] if start is None else self.calls(text[start:], finished=True)
+        calls = [] if start is None else self.calls(text[start:], finished=not truncated)
+        if start is not None and truncated:
+            return ParsedOutput(text[:start] if text[:start].strip() else None, tuple(calls))
         if not calls:
             return ParsedOutput(text, ())
         return ParsedOutput(text[:start] if text[:start].strip() else None, tuple(calls))
@@ -108,11 +111,35 @@ def _json_calls(text: str, at: int, arguments_key: str, separator: str) -> list[
 
 
 class HermesToolParser(ToolParser):
+    """Hermes blocks, and the bare form small Qwen2.5-Coder models write: an output that *begins* with
+    ``{"name": ..., "arguments": {...}}`` (one or more such objects, no tags; Qwen2.5-Coder-0.5B-Instruct does this
+    under its own tool template). Bare objects count only at the start of the output and only with an
+    ``arguments`` key, so JSON later in a reply, or a JSON answer without ``arguments``, stays content."""
+
     name = "hermes"
     markers = ("<tool_call>",)
+    _BARE = '{"name"'
     _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
+    def calls_start(self, text: str) -> int | None:
+        start = super().calls_start(text)
+        stripped = text.lstrip()
+        if start is None and stripped.startswith(self._BARE):
+            return len(text) - len(stripped)
+        return start
+
+    def undecided_suffix(self, text: str) -> int:
+        stripped = text.lstrip()
+        if stripped and self._BARE.startswith(stripped):  # the output so far could open a bare call
+            return len(text)
+        return super().undecided_suffix(text)
+
     def calls(self, markup: str, finished: bool) -> list[ParsedCall]:
+        if markup.lstrip().startswith(self._BARE):
+            return _bare_calls(markup)
+        return self._block_calls(markup, finished)
+
+    def _block_calls(self, markup: str, finished: bool) -> list[ParsedCall]:
         bodies = [m.group(1) for m in self._BLOCK.finditer(markup)]
         tail = markup[markup.rfind("</tool_call>") + len("</tool_call>"):] if bodies else markup
         if finished and tail.lstrip().startswith("<tool_call>"):  # stopped (EOS) before the closing tag
@@ -127,6 +154,21 @@ class HermesToolParser(ToolParser):
                 break
             calls.append(call)
         return calls
+
+
+def _bare_calls(text: str) -> list[ParsedCall]:
+    """Whole ``{"name", "arguments"}`` objects back to back from the start of ``text`` (whitespace between them)."""
+    calls, at = [], 0
+    while text[at:].strip():
+        decoded = _decode_json(text, at)
+        if decoded is None or not isinstance(decoded[0], dict) or "arguments" not in decoded[0]:
+            return calls
+        call = _call(decoded[0], "arguments")
+        if call is None:
+            return calls
+        calls.append(call)
+        at = decoded[1]
+    return calls
 
 
 class MistralToolParser(ToolParser):

@@ -2,7 +2,8 @@
 
 Content goes out as soon as it cannot be the start of tool-call markup (a possible marker prefix at the end is
 held back); once the markup begins, each call is sent when its JSON is complete. At the end of an output whose
-markup held no call after all, the markup is sent as content, as the whole response would have it.
+markup held no call after all, the markup is sent as content, as the whole response would have it, unless the
+output was cut by ``max_tokens`` (an unfinished call is dropped).
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ class ToolCallDeltas:
         self._content_sent = 0
         self.num_calls = 0
 
-    def next(self, text: str, finished: bool) -> tuple[str, list[ParsedCall]]:
-        """(content not sent yet, calls not sent yet) of the cumulative ``text``."""
+    def next(self, text: str, finished: bool, truncated: bool = False) -> tuple[str, list[ParsedCall]]:
+        """(content not sent yet, calls not sent yet) of the cumulative ``text``. ``truncated``: the output was
+        cut (``max_tokens``): markup that began is an unfinished call, never content."""
         start = self._parser.calls_start(text)
-        calls = [] if start is None else self._parser.calls(text[start:], finished)
-        if start is None or (finished and not calls and self.num_calls == 0):
+        calls = [] if start is None else self._parser.calls(text[start:], finished and not truncated)
+        if start is None or (finished and not truncated and not calls and self.num_calls == 0):
             end = len(text) if finished else len(text) - self._parser.undecided_suffix(text)
             return self._content_until(text, end), []
         content = self._content_until(text, start)

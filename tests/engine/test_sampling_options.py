@@ -152,8 +152,8 @@ def test_engine_checks_token_ids_against_the_vocabulary(llm, fields, message):
 
 @pytest.mark.parametrize("fields", [
     dict(n=0), dict(n=129), dict(presence_penalty=2.5), dict(frequency_penalty=-3.0), dict(repetition_penalty=0.0),
-    dict(repetition_penalty=-1.0), dict(min_p=1.5), dict(min_tokens=-1), dict(min_tokens=17), dict(logprobs=21),
-    dict(logprobs=-1), dict(prompt_logprobs=21), dict(logit_bias={1: float("nan")}), dict(logit_bias={"1": 2.0}),
+    dict(repetition_penalty=-1.0), dict(min_p=1.5), dict(min_tokens=-1), dict(min_tokens=17), dict(logprobs=2 ** 31),
+    dict(logprobs=-1), dict(prompt_logprobs=2 ** 31), dict(logit_bias={1: float("nan")}), dict(logit_bias={"1": 2.0}),
     dict(logit_bias=[1, 2]),
 ], ids=str)
 def test_out_of_range_options_are_value_errors_naming_the_field(fields):

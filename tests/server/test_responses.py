@@ -36,10 +36,24 @@ def test_without_stop_strings_every_character_goes_out_at_once():
 
 
 def test_usage_splits_cached_tokens_by_kind():
+    # 2 prefix hits, 1 PIC hit that the backend recomputed: only the prefix hits were used as they were
     body = usage(output("hi", 2, finished=True)).model_dump()
     assert body == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6,
-                    "prompt_tokens_details": {"cached_tokens": 3},
+                    "prompt_tokens_details": {"cached_tokens": 2},
                     "nebula": {"prefix_cached_tokens": 2, "pic_cached_tokens": 1, "recomputed_tokens": 1}}
+
+
+def test_a_cold_pic_request_has_no_cached_tokens_and_a_plain_one_no_pic_fields():
+    completion = CompletionOutput(0, "hi", [7], finish_reason="length")
+    cold_pic = RequestOutput("r", None, [1, 2, 3, 4], [completion], finished=True, num_cached_tokens=0,
+                             num_pic_cached_tokens=3, num_recomputed_tokens=1)  # segments prefilled for it
+    assert usage(cold_pic).prompt_tokens_details.cached_tokens == 0
+    assert usage(cold_pic).model_dump()["nebula"] == {"prefix_cached_tokens": 0, "pic_cached_tokens": 3,
+                                                      "recomputed_tokens": 1}
+    plain = RequestOutput("r", None, [1, 2, 3, 4], [completion], finished=True, num_cached_tokens=2,
+                          num_prefix_cached_tokens=2)
+    assert usage(plain).model_dump()["nebula"] == {"prefix_cached_tokens": 2}
+    assert usage(plain).prompt_tokens_details.cached_tokens == 2
 
 
 def test_chat_stream_opens_with_the_role_and_ends_with_usage_then_done():

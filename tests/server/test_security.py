@@ -1,6 +1,6 @@
 """The HTTP API's guards on a real uvicorn over a real engine: API key, body size limit, bounded and valid input
-(the overflow reproducers of issue #11 are 400s while other streams complete), no internals in 500 bodies, and a
-large request tokenized off the event loop."""
+(numbers that would overflow inside an engine step are 400s while other streams complete), no internals in 500
+bodies, and a large request tokenized off the event loop."""
 
 from __future__ import annotations
 
@@ -139,7 +139,7 @@ def test_bodies_within_the_limit_are_served_chunked_or_not(small_limit_server):
 
 SURROGATE = "abc \ud800 def"
 BAD_VALUES = [  # (fields, the param the 400 names)
-    (dict(prompt=PROMPT, seed=18446744073709551616), "seed"),  # issue #11's reproducers
+    (dict(prompt=PROMPT, seed=18446744073709551616), "seed"),  # each overflows a step without the bounds
     (dict(prompt=PROMPT, top_k=9223372036854775808), "top_k"),
     (dict(prompt=SURROGATE), "prompt"),
     (dict(messages=[{"role": "user", "content": SURROGATE}]), "messages"),
@@ -188,7 +188,7 @@ def test_non_finite_numbers_bad_bytes_and_deep_nesting_are_400s(http, raw):
 
 
 def test_overflow_inputs_are_400s_while_concurrent_streams_complete(open_server, reference_llm):
-    """Before #11 these passed validation and overflowed inside an engine step, failing every request in it."""
+    """Unbounded, these would pass validation and overflow inside an engine step, failing every request in it."""
     prompts = ["Once upon a time", "1, 2, 3,", "Paged attention is"]
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     expected = [o.outputs[0].text for o in reference_llm.generate(prompts, params)]
@@ -292,5 +292,5 @@ def test_health_answers_within_half_a_second_while_a_4_mb_prompt_is_tokenized(en
     finally:
         client.tokenizer.release.set()
         server.stop()
-    assert max(latencies) < 0.5, latencies  # the issue's bound; before #11 /health waited 6-15 s
+    assert max(latencies) < 0.5, latencies  # tokenized inline, /health waited 6-15 s
     assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"

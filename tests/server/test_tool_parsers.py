@@ -96,3 +96,24 @@ def test_call_ids_fit_each_familys_template():
     assert HermesToolParser.new_call_id().startswith("chatcmpl-tool-")
     mistral_id = MistralToolParser.new_call_id()  # Mistral's template raises on any other id
     assert len(mistral_id) == 9 and mistral_id.isalnum()
+
+
+def test_hermes_reads_the_bare_calls_small_qwen_coder_models_write():
+    """Qwen2.5-Coder-0.5B-Instruct answers its own tool template with the call's JSON and no <tool_call> tags."""
+    from nebula_engine.server.tool_parsers import HermesToolParser
+    from nebula_engine.server.tool_streaming import ToolCallDeltas
+
+    parser = HermesToolParser()
+    bare = '{"name": "get_order", "arguments": {"order_id": "W1000"}}\n{"name": "f", "arguments": {}}'
+    parsed = parser.parse(bare)
+    assert parsed.content is None
+    assert [(c.name, c.arguments) for c in parsed.calls] == [("get_order", '{"order_id": "W1000"}'), ("f", "{}")]
+    for content in ('{"name": "Bob"}', 'Here: {"name": "f", "arguments": {}}', '{"a": 1} is JSON'):
+        assert parser.parse(content) == type(parsed)(content, ())  # no arguments key, or not at the start
+    assert parser.parse('{"name": "f", "arguments": {"a"', truncated=True).content is None  # cut: never content
+    deltas, sent = ToolCallDeltas(parser), []
+    for end in range(1, len(bare) + 1):
+        content, calls = deltas.next(bare[:end], end == len(bare))
+        assert content == ""
+        sent += calls
+    assert [c.name for c in sent] == ["get_order", "f"]

@@ -1,0 +1,74 @@
+"""``/metrics`` as a vLLM dashboard reads it (``nebula:`` series with vLLM's names and a ``model_name`` label),
+the Grafana dashboard in ``docs/grafana`` charting only series the server exposes, and ``/version``."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import httpx2
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server.conftest import MODEL_NAME, openai_client, serve_for_openai_clients
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana" / "nebula-engine.json"
+PROMPT = "one two three four five six seven eight nine ten eleven twelve"
+
+
+@pytest.fixture(scope="module")
+def server(observed_engine):
+    yield from serve_for_openai_clients(observed_engine)
+
+
+def samples(server) -> dict[tuple[str, tuple], float]:
+    text = httpx2.get(f"{server.url}/metrics", timeout=30).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def value(snapshot, name: str, **labels) -> float:
+    return snapshot.get((name, tuple(sorted({"model_name": MODEL_NAME, **labels}.items()))), 0.0)
+
+
+def test_request_series_count_what_the_requests_did(server):
+    client = openai_client(server)
+    before = samples(server)
+    whole = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=5, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    streamed = list(client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0,
+                                              stream=True, extra_body={"ignore_eos": True}))
+    after = samples(server)
+
+    def grew(name: str, **labels) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert grew("nebula:time_to_first_token_seconds_count") == 2
+    assert grew("nebula:e2e_request_latency_seconds_count") == 2
+    assert grew("nebula:inter_token_latency_seconds_count") == (5 - 1) + (4 - 1)
+    assert grew("nebula:request_time_per_output_token_seconds_count") == 2
+    assert grew("nebula:request_success_total", finished_reason="length") == 2
+    assert grew("nebula:prompt_tokens_total") == 2 * whole.usage.prompt_tokens
+    assert grew("nebula:generation_tokens_total") == 5 + 4
+    assert grew("nebula:request_generation_tokens_sum") == 5 + 4
+    assert grew("nebula:prefix_cache_queries_total") == 2 * whole.usage.prompt_tokens
+    # the second request found the first one's full pages in the prefix cache
+    assert grew("nebula:prefix_cache_hits_total") > 0
+    assert value(after, "nebula:num_requests_running") == 0 and streamed[-1].choices[0].finish_reason == "length"
+
+
+def test_the_grafana_dashboard_charts_only_series_the_server_exposes(server):
+    exposed = {name for name, _ in samples(server)}
+    dashboard = json.loads(DASHBOARD.read_text())
+    expressions = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    charted = {m for e in expressions for m in re.findall(r"(nebula[:_][a-z0-9_:]+)", e)}
+    cluster_only = {m for m in charted if m.startswith("nebula_kv_transfer")}  # a cluster peer's collector
+    assert charted - cluster_only and charted - cluster_only <= exposed
+    titles = {panel["title"] for panel in dashboard["panels"]}
+    assert {"Time to first token", "Inter-token latency", "Cache hit ratio: prefix / PIC"} <= titles
+
+
+def test_version_is_served(server):
+    body = httpx2.get(f"{server.url}/version", timeout=30).json()
+    assert isinstance(body["version"], str) and body["version"]
