@@ -7,11 +7,11 @@ repetition so load from other processes hits all of them alike); the store looku
 the reused K/V (copy + re-rotation, the same for every backend) are timed apart. Ratios are against the
 ``full`` backend (every token recomputed through the combine path) and against a plain prefill (the
 engine's ordinary forward over the same tokens, PIC off), both measured in the same run.
-Goals (the issue): epic >= 5x faster than full prefill, cacheblend >= 2x.
+Targets: epic >= 5x faster than full prefill, cacheblend >= 2x.
 
 With --batch N it also times N such requests (the same documents in other orders, other questions) combined as
-one engine step does: one forward for all (``backend.combine_many``, since #15) against one combine after another
-(how a step ran them before), alternating, and prints the ratio.
+one engine step does: one forward for all (``backend.combine_many``) against one combine after another,
+alternating, and prints the ratio.
 
     python tools/bench_pic.py                                   # mistral-like, hidden 512, 8 layers, 8 x 512 + 64
     python tools/bench_pic.py --family qwen3_5                  # hypic on a hybrid model (vs plain prefill)

@@ -1,4 +1,4 @@
-"""How close a selective-recompute backend comes to an oracle's choice of tokens (issue #12), on a real model.
+"""How close a selective-recompute backend comes to an oracle's choice of tokens, on a real model.
 
 CacheBlend recomputes the reused tokens whose K/V moved most at one check layer. An oracle knows what only a full
 prefill of the prompt knows and ranks the reused tokens by it; both then recompute the same share of them through
@@ -18,6 +18,7 @@ fresh K/V, and the question's attention, are the full prefill's there).
     python tools/pic_oracle.py --doc-sentences 12 --ratio 0.2 --through-layer 1 --through-layer 3
 
 Rows are those of ``pic_quality_rag`` (KL and top-1 against PIC off, 20-token match, accuracy, time).
+``--write-docs [PAGE]`` also writes the results page docs/results/PAGE.md (default ``pic-oracle``) with its plot.
 """
 
 from __future__ import annotations
@@ -37,6 +38,12 @@ from nebula_engine.kernels.attention import AttentionContext
 from nebula_engine.pic.backends.selective import CacheBlend
 
 ORACLES = ("oracle-deviation", "oracle-impact")
+PAGE_ABOUT = ("CacheBlend recomputes the reused tokens whose K/V moved most at its check layer. Two oracles rank the "
+              "reused tokens by what only a full prefill knows (`oracle-deviation`: every layer's true K and V error; "
+              "`oracle-impact`: the question's attention times the true V error) and recompute the same share "
+              "through CacheBlend's machinery, so the rows differ only in which tokens were chosen. An oracle that "
+              "misses a quality level at a given share bounds every rule that only chooses tokens. The prompts are "
+              "those of the PIC quality page (invented facts in `<pic>` documents, asked in another order).")
 
 
 @dataclass(frozen=True)
@@ -204,6 +211,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--markdown", help="write the table here")
     parser.add_argument("--png", help="write the plot here (KL and top-1 against the recomputed share)")
     parser.add_argument("--out", help="write the report JSON here")
+    parser.add_argument("--write-docs", nargs="?", const="pic-oracle", default=None, metavar="PAGE",
+                        help="also write the results page docs/results/PAGE.md and its plot (default PAGE: pic-oracle)")
     args = parser.parse_args(argv)
     args.ratio = args.ratio or [0.15]
     if any(not 0.0 < r <= 1.0 for r in args.ratio):
@@ -229,7 +238,8 @@ def main(argv: list[str] | None = None) -> dict:
     measured = evaluate(harness, args.ratio, args.num_prompts, args.seed, args.doc_sentences,
                         args.through_layer or [None])
     report = finish({"model": args.model, "segment_sink": harness.executor.bos_token_id, "seed": args.seed,
-                     "detail_sentences": args.doc_sentences, **measured}, args.markdown, args.png)
+                     "detail_sentences": args.doc_sentences, **measured}, args.markdown, args.png, args.write_docs,
+                    "PIC token selection against an oracle", PAGE_ABOUT)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
     return report

@@ -466,7 +466,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="facts: chat RAG prompts over invented facts (default with --model); random: random ids")
     parser.add_argument("--segment-sink", choices=("auto", "none"), default="auto",
                         help="facts: prefill each document behind the model's sink token (auto, the engine's "
-                             "default) or alone (none: how PIC ran before issue #12)")
+                             "default) or alone (none: no sink before a document)")
     parser.add_argument("--doc-sentences", type=int, default=0,
                         help="facts: background sentences added to each document after its facts, 0 to 12 (12: "
                              "~270 tokens, RAGPulse's documents); 0: the two-sentence documents (~60 tokens)")
@@ -480,6 +480,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "seeds) with the same specs into one table and plot")
     parser.add_argument("--markdown", default=None, help="facts: write the markdown table here")
     parser.add_argument("--png", default=None, help="facts: write the quality vs recomputed plot here")
+    parser.add_argument("--write-docs", nargs="?", const="pic-quality", default=None, metavar="PAGE",
+                        help="facts: also write the results page docs/results/PAGE.md and its plot (default PAGE: "
+                             "pic-quality)")
     parser.add_argument("--family", default="mistral", choices=TINY_FAMILIES)
     parser.add_argument("--hybrid-family", default="qwen3_5", choices=(*HYBRID_FAMILIES, "none"),
                         help="also run hypic on this tiny hybrid model (none: skip; ignored with --model)")
@@ -508,6 +511,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.prompts = args.prompts or ("facts" if args.model else "random")
     if args.prompts == "facts" and not args.model:
         parser.error("--prompts facts needs --model with real weights (random models cannot answer)")
+    if args.write_docs and args.prompts != "facts" and not args.merge:
+        parser.error("--write-docs writes the fact-prompt results page: it needs --model (--prompts facts)")
     from fictional_facts import MAX_DETAIL_SENTENCES
 
     if not 0 <= args.doc_sentences <= MAX_DETAIL_SENTENCES:
@@ -532,14 +537,14 @@ def main(argv: list[str] | None = None) -> dict:
     if args.merge:
         from pic_quality_rag import merge
 
-        return merge(args.merge, args.markdown, args.png, args.model)
+        return merge(args.merge, args.markdown, args.png, args.model, args.write_docs)
     if args.prompts == "facts":
         from pic_quality_rag import run as run_facts
 
         report = run_facts(args.model, args.backend, args.num_prompts, args.seed, args.page_size, args.markdown,
                            args.png, sink=args.segment_sink == "auto", sweep=args.sweep,
                            detail_sentences=args.doc_sentences,
-                           progress_path=args.progress)
+                           progress_path=args.progress, docs_page=args.write_docs)
         if args.out:
             Path(args.out).write_text(json.dumps(report, indent=2))
         return report

@@ -9,7 +9,8 @@ against PIC off (a plain prefill of the same token ids):
     20 tokens teacher-forced (``tf``);
   - exact match of the 20 greedy tokens, and answer accuracy (the known fact appears in the 20-token reply);
   - combine time (placing the reused K/V and the backend's combine), as a share of the plain prefill's time.
-Writes a markdown table and a PNG (next-token KL and top-1 against the recomputed share, one line per backend).
+Writes a markdown table and a PNG (next-token KL and top-1 against the recomputed share, one line per backend), and
+with ``--write-docs [PAGE]`` the results page docs/results/PAGE.md (default ``pic-quality``) with its plot.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 
 from fictional_facts import FactPrompt
 from pic_quality import PICHarness, full_reference, kl_per_row, teacher_forced_logits
+from nebula_engine.bench.results_page import DOCS_RESULTS, ResultsPage, Table, write_page
 
 REPLY_TOKENS = 20
 DEFAULT_SPECS = ("full", "naive", "epic", "cacheblend", "a3")
@@ -158,23 +160,45 @@ def aggregate(spec: str, rows: list[dict]) -> dict:
 # ---------------------------------------------------------------- report
 
 
-def format_markdown(report: dict) -> str:
+COLUMNS_EXPLAINED = ("KL in nats against PIC off; tf: over the PIC-off reply's 20 tokens, teacher-forced; accuracy: "
+                     "the known fact appears in the 20-token greedy reply; times measured on a shared CPU (noisy).")
+
+
+def describe(report: dict) -> str:
     off = report["pic_off"]
     sink = report["segment_sink"]
-    lines = [f"{report['model']} (documents prefilled {'alone' if sink is None else f'behind sink token {sink}'}): "
-             f"{report['num_prompts']} prompts of {report['mean_tokens']:.0f} tokens on average, "
-             f"{report['reused_share']:.0%} of them in reused documents; PIC off answers "
-             f"{report['pic_off_accuracy']:.0%} correctly ({sum(o['correct'] for o in off):.0f}/{len(off)}).", "",
-             "| backend | recomputed | KL next | top-1 next | KL tf | top-1 tf | 20-token match | accuracy | "
-             "combine / prefill time |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in report["results"]:
-        lines.append(f"| {r['backend']} | {r['recomputed']:.0%} | {r['kl_next']:.3f} | {r['top1_next']:.2f} | "
-                     f"{r['kl_tf']:.3f} | {r['top1_tf']:.2f} | {r['match20']:.2f} | {r['correct']:.2f} | "
-                     f"{r['combine_share']:.2f} |")
-    lines += ["", "KL in nats against PIC off; tf: over the PIC-off reply's 20 tokens, teacher-forced; accuracy: the "
-              "known fact appears in the 20-token greedy reply; times measured on a shared CPU (noisy)."]
-    return "\n".join(lines)
+    return (f"{report['model']} (documents prefilled {'alone' if sink is None else f'behind sink token {sink}'}): "
+            f"{report['num_prompts']} prompts of {report['mean_tokens']:.0f} tokens on average, "
+            f"{report['reused_share']:.0%} of them in reused documents; PIC off answers "
+            f"{report['pic_off_accuracy']:.0%} correctly ({sum(o['correct'] for o in off):.0f}/{len(off)}).")
+
+
+def results_table(report: dict) -> Table:
+    return Table(("backend", "recomputed", "KL next", "top-1 next", "KL tf", "top-1 tf", "20-token match", "accuracy",
+                  "combine / prefill time"),
+                 tuple((r["backend"], f"{r['recomputed']:.0%}", f"{r['kl_next']:.3f}", f"{r['top1_next']:.2f}",
+                        f"{r['kl_tf']:.3f}", f"{r['top1_tf']:.2f}", f"{r['match20']:.2f}", f"{r['correct']:.2f}",
+                        f"{r['combine_share']:.2f}") for r in report["results"]))
+
+
+def format_markdown(report: dict) -> str:
+    return "\n".join([describe(report), "", results_table(report).markdown(), "", COLUMNS_EXPLAINED])
+
+
+PAGE_ABOUT = ("Each prompt is a chat (the model's own template) with 4-6 documents about invented organisations in "
+              "`<pic>` tags, cached alone in one order and asked in another, and a question about one fact, so "
+              "every reused document sits at a new position. Each PIC backend setting is compared with PIC off (a "
+              "plain prefill of the same token ids): the KL and top-1 agreement of the next token and of the PIC-off "
+              "reply's tokens, the 20-token greedy reply, and whether it states the known fact.")
+
+
+PAGE_TITLE = "PIC quality on a real model"
+
+
+def quality_page(report: dict, name: str, png: Path | None, title: str = PAGE_TITLE,
+                 about: str = PAGE_ABOUT) -> ResultsPage:
+    return ResultsPage(name, title, f"{about}\n\n{describe(report)}", (results_table(report),),
+                       notes=(COLUMNS_EXPLAINED,), png=png)
 
 
 def sweep_line(spec: str) -> str:
@@ -210,7 +234,7 @@ def plot(report: dict, path: str) -> None:
 
 def run(model: str, specs: list[str] | None, num_prompts: int, seed: int, page_size: int,
         markdown: str | None, png: str | None, sink: bool = True, sweep: bool = False,
-        progress_path: str | None = None, detail_sentences: int = 0) -> dict:
+        progress_path: str | None = None, detail_sentences: int = 0, docs_page: str | None = None) -> dict:
     harness = PICHarness(model, num_pages=400 if not detail_sentences else 1600, page_size=page_size)
     if not sink:
         harness.executor.bos_token_id = None  # documents prefilled alone, with no sink before them
@@ -222,11 +246,13 @@ def run(model: str, specs: list[str] | None, num_prompts: int, seed: int, page_s
     measured = evaluate(harness, specs, num_prompts, seed, progress_path, detail_sentences)
     return finish({"model": model, "segment_sink": harness.executor.bos_token_id, "seed": seed,
                    "detail_sentences": detail_sentences, **measured},
-                  markdown, png)
+                  markdown, png, docs_page)
 
 
-def finish(report: dict, markdown: str | None, png: str | None) -> dict:
-    """Add the summary fields to a report of ``pic_off`` and per-spec ``rows``, print it, write table and plot."""
+def finish(report: dict, markdown: str | None, png: str | None, docs_page: str | None = None,
+           page_title: str = PAGE_TITLE, page_about: str = PAGE_ABOUT) -> dict:
+    """Add the summary fields to a report of ``pic_off`` and per-spec ``rows``, print it, write table and plot, and
+    the results page ``docs/results/<docs_page>.md`` when named (with the plot beside it)."""
     off = report["pic_off"]
     results = [aggregate(spec, rows) for spec, rows in report["rows"].items()]
     report = {**report, "num_prompts": len(off), "mean_tokens": sum(o["num_tokens"] for o in off) / len(off),
@@ -240,10 +266,17 @@ def finish(report: dict, markdown: str | None, png: str | None) -> dict:
     if png:
         plot(report, png)
         print(f"wrote {png}")
+    if docs_page:
+        page_png = Path(png) if png else DOCS_RESULTS / f"{docs_page}.png"
+        if not png:
+            page_png.parent.mkdir(parents=True, exist_ok=True)
+            plot(report, str(page_png))
+        print(f"wrote {write_page(quality_page(report, docs_page, page_png, page_title, page_about))}")
     return report
 
 
-def merge(paths: list[str], markdown: str | None, png: str | None, model: str | None = None) -> dict:
+def merge(paths: list[str], markdown: str | None, png: str | None, model: str | None = None,
+          docs_page: str | None = None) -> dict:
     """One report from runs over disjoint prompts (``--out`` JSONs, or progress files) with the same specs."""
     parts = [json.loads(Path(path).read_text()) for path in paths]
     specs = [list(part["rows"]) for part in parts]
@@ -252,4 +285,4 @@ def merge(paths: list[str], markdown: str | None, png: str | None, model: str | 
     rows = {spec: [row for part in parts for row in part["rows"][spec]] for spec in specs[0]}
     first = parts[0]
     return finish({"model": first.get("model", model or "?"), "segment_sink": first.get("segment_sink"),
-                   "pic_off": [o for part in parts for o in part["pic_off"]], "rows": rows}, markdown, png)
+                   "pic_off": [o for part in parts for o in part["pic_off"]], "rows": rows}, markdown, png, docs_page)

@@ -1,7 +1,8 @@
 """Reproduce the paper's headline numbers (and, on request, analogues of its figures) with the simulator.
 
-    python tools/reproduce_paper.py --headline              # the headline table; writes docs/reproduction/results.md
+    python tools/reproduce_paper.py --headline              # the headline table: bench_results/reproduction/results.md
     python tools/reproduce_paper.py --figures 11-13,14,15-17,10+18 --out reproduction   # plots as well
+    python tools/reproduce_paper.py --headline --write-docs  # and the results page docs/results/simulator-vs-paper.md
 
 Setup (paper §9.1): 7 prefill + 1 decode workers, each trace replayed in its original order with Poisson arrivals,
 the paper's model per trace as a profile (Fig. 11's pairing: QuAC / DeepSeek-V2-Lite / CacheBlend, RAGPulse /
@@ -27,6 +28,7 @@ from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
+from nebula_engine.bench.results_page import DOCS_RESULTS, ResultsPage, Table, write_page
 from nebula_engine.cluster.control.config import ClusterConfig, ClusterProfile
 from nebula_engine.cluster.sim.loads import pc_capacity_rps, rate_grid
 from nebula_engine.cluster.sim.simulator import SimulationConfig, simulate
@@ -93,6 +95,7 @@ class Reproduction:
     def __init__(self, args):
         self.args = args
         self.sections: list[str] = []
+        self.tables: list = []  # the sections as results-page tables
         self.results: dict = {}
 
     def requests(self, workload: str):
@@ -127,6 +130,8 @@ class Reproduction:
         lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
         text = "\n".join(lines) + "\n"
         self.sections.append(text)
+        self.tables.append(Table(tuple(header), tuple(tuple(fmt(v) for v in row) for row in rows),
+                                 caption=f"**{title}.** {note}".rstrip()))
         print(text, flush=True)
 
     def write(self, path: Path, preamble: str) -> None:
@@ -254,9 +259,13 @@ def caches_table(rep: Reproduction, caches: dict, runs: dict) -> None:
 
 
 def preamble(args) -> str:
+    return ("# Nebula reproduction (simulator)\n\n"
+            f"`python tools/reproduce_paper.py --headline --limit {args.limit}`: {setup(args)}")
+
+
+def setup(args) -> str:
     return (
-        "# Nebula reproduction (simulator)\n\n"
-        f"`python tools/reproduce_paper.py --headline --limit {args.limit}`: {args.limit} requests per run (trace order, "
+        f"{args.limit} requests per run (trace order, "
         f"Poisson arrivals), {WORKERS} prefill + 1 decode workers, first token after the hand-off to the decode worker. "
         "Profiles: `nebula_engine/cluster/control/profiles/` (throughput from public model and H20 specs; combine cost per "
         "PIC backend measured, `tools/combine_costs.py`). Rates: the paper's grid per trace, rescaled so its top rate "
@@ -267,7 +276,7 @@ def preamble(args) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--headline", action="store_true", help="the headline table (the default)")
-    parser.add_argument("--out", default="docs/reproduction", help="where results.md / .json (and plots) go")
+    parser.add_argument("--out", default="bench_results/reproduction", help="where results.md / .json (and plots) go")
     parser.add_argument("--data", default="../shared/traces", help="traces directory")
     parser.add_argument("--limit", type=int, default=1500, help="requests per run")
     parser.add_argument("--jobs", type=int, default=2, help="parallel simulator processes")
@@ -276,6 +285,8 @@ def main() -> None:
     parser.add_argument("--figures", default="", help="also plot figure analogues: comma-separated subset of "
                                                        "11-13, 14, 15-17, 10+18 (tools/paper_figures.py)")
     parser.add_argument("--quick", action="store_true", help="300 requests and three rates per grid")
+    parser.add_argument("--write-docs", action="store_true",
+                        help=f"also write the results page {DOCS_RESULTS}/simulator-vs-paper.md")
     args = parser.parse_args()
     if args.quick:
         args.limit = min(args.limit, 300)
@@ -288,6 +299,12 @@ def main() -> None:
         plot_figures(rep, args.figures.split(","))
     rep.write(Path(args.out) / "results.md", preamble(args))
     print(f"wrote {Path(args.out) / 'results.md'} in {time.time() - start:.0f} s")
+    if args.write_docs and rep.tables:
+        page = ResultsPage("simulator-vs-paper", "Simulator against the paper",
+                           "The paper's experiments replayed in the discrete-event simulator, which runs the router's "
+                           "own control plane (view, cache manager, Algorithm 1) over modelled workers: " + setup(args).strip(),
+                           tuple(rep.tables))
+        print(f"wrote {write_page(page)}")
 
 
 if __name__ == "__main__":

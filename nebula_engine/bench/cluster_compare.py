@@ -24,15 +24,15 @@ from nebula_engine.bench.host_cpu import cpu_jiffies, steal_share
 from nebula_engine.bench.progress import Progress
 from nebula_engine.bench.replay import ReplayOptions, as_sent, replay
 from nebula_engine.bench.report import summarize
+from nebula_engine.bench.results_page import DOCS_RESULTS, ResultsPage, Table, write_page
 from nebula_engine.cluster.runtime.launcher import LocalCluster, local_spec
 from nebula_engine.cluster.runtime.spec import ClusterSpec, PeerSettings
 from nebula_engine.workloads.analysis import reuse_stats
 from nebula_engine.workloads.registry import load_workload
 from nebula_engine.cluster.control.policy_names import POLICY_NAMES
 
-# the random 4-layer Qwen3: smollm2 (real weights) on 4 one-thread peers, measured alone on this 2-core machine,
-# saturated at 0.5 req/s (TTFT p50 8.3 s), took 18 min for the three policies and (before stop 26's scatter leak
-# fix) its nebula peers grew to 24 GB together (README "Measured", cluster policies); make run must end in 6 minutes
+# the random 4-layer Qwen3: smollm2 (real weights) on 4 one-thread peers of a 2-core machine saturates the cluster
+# (all 48 requests completed, TTFT p50 55 s at 1 req/s), and make run must end in about 6 minutes
 DEFAULT_MODEL = "bench-qwen3"
 # big enough that prefill compute, not HTTP and Python overhead, dominates TTFT on a CPU; still random weights
 BENCH_MODEL = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=32,
@@ -48,26 +48,26 @@ def bench_model_dir() -> Path:
 
 @dataclass(frozen=True)
 class CompareOptions:
-    """The default regime (README "Measured", cluster policies): the paper's argument needs per-peer KV below
+    """The default regime (docs/results/main-job.md): the paper's argument needs per-peer KV below
     the slice's working set, load spread over several prefill peers, and prefill a real share of TTFT."""
 
     trace: str = "ragpulse"
     num_requests: int = 48  # 25 sessions, 144,039 prompt tokens; a working set of 78,459 distinct tokens
     # 48 s of arrivals per policy: with ~15-30 s of cluster start each, the three policies fit make run's 6 minutes
-    # (0.5 req/s took 6.4 min); below saturation for the random Qwen3 (peers busy about half the time, README)
+    # (0.5 req/s took 6.4 min); below saturation for the random Qwen3 (its peers use 37-50 of the 96 CPU seconds)
     qps: float = 1.0
     prefill_workers: int = 4  # the router spreads load over 4 peers: a session's documents can sit on any
     decode_workers: int = 0  # prefill peers decode too: one process less to load (8 output tokens only)
     # the bench model's context: the slice's longest prompt (4,591 tokens) is sent whole, so documents keep their
-    # real length (~280 tokens). Shrunk to fit 1,024 tokens (stop 26 and before) they averaged 62 tokens, and EPIC's
-    # 16 recomputed tokens per segment (26% of them) cancelled what PIC hits saved (README "Measured")
+    # real length (~280 tokens). Shrunk to fit 1,024 tokens they would average 62 tokens, and EPIC's 16 recomputed
+    # tokens per segment (26% of them) would cancel what PIC hits save
     max_prompt_tokens: int = 8192
     max_tokens: int = 8
     seed: int = 0
     pic_backend: str = "auto"
     page_size: int = 16
     # per peer: its KV pool (running requests + cached PC and PIC entries), 18,432 tokens: 23.5% of the working
-    # set, 94% over the 4 peers (the share 256 pages had of the shrunk prompts' working set)
+    # set, 94% over the 4 peers: only cluster-wide reuse can reach most of it
     num_pages: int = 1152
     threads_per_peer: int | None = 1  # 4 peers on 2 cores: one torch thread each, no oversubscription
     # silence after which a peer counts as dead: on a crowded 2-core machine (load 14) smollm2 peers were measured
@@ -80,7 +80,7 @@ class CompareOptions:
     remote_read_latency_s: float = ClusterSpec.remote_read_latency_s
     scatter_dispatch_s: float = ClusterSpec.scatter_dispatch_s  # and per cold segment scattered to another peer
     shared_cores: bool = ClusterSpec.shared_cores  # the planner knows the peers share this machine's cores
-    # whether the planner then charges what reads and scatters take (off, as the spec: README)
+    # whether the planner then charges what reads and scatters take (off, as in the spec: see ClusterSpec)
     observe_transfer_costs: bool = ClusterSpec.observe_transfer_costs
     log_level: str = "warning"  # the peers' (debug: each combine's remote KV wait, each read's pin and store times)
 
@@ -202,6 +202,46 @@ def format_table(rows: list[dict], bound: float | None = None) -> str:
     return "\n".join(lines)
 
 
+MAIN_JOB_ABOUT = (
+    "The main job (`make run`): for each cluster policy, a real local cluster of engine processes on this machine "
+    "replays the same workload slice through the HTTP API with the same Poisson arrivals. `pc` routes by prefix "
+    "(no PIC), `local-pic` runs PIC on each worker behind that router, `nebula` plans cluster-wide PIC (the view, "
+    "cache manager and planner of the paper). With the default random-weight model the figures measure the system "
+    "(caching, transfers, scheduling), not answer quality.")
+
+
+def main_job_page(document: dict, png: Path | None) -> ResultsPage:
+    """``docs/results/main-job.md`` from what ``compare`` wrote to ``compare.json`` (and its plot)."""
+    options, rows = document["options"], document["rows"]
+    base = next((r for r in rows if r["policy"] == "pc"), rows[0])
+
+    def ratio(row: dict, key: str) -> str:
+        return f"{row[key] / base[key]:.2f}" if base[key] else "n/a"
+
+    results = Table(
+        ("policy", "TTFT p50 s", "TTFT p99 s", "CHR", f"p50 / {base['policy']}", f"p99 / {base['policy']}",
+         "failed", "KV moved", "peer CPU", "steal"),
+        tuple((r["policy"], f"{r['ttft_p50_s']:.3f}", f"{r['ttft_p99_s']:.3f}", f"{r['cache_hit_ratio']:.1%}",
+               ratio(r, "ttft_p50_s"), ratio(r, "ttft_p99_s"), r["failed"], f"{r['transfer_bytes'] / 2**20:.1f} MB",
+               _cpu(r.get("peer_cpu_s")), _share(r.get("host_steal"))) for r in rows))
+    threads = options.get("threads_per_peer") or "torch's default"
+    settings = Table(("setting", "value"), (
+        ("model", Path(document["model"]).name),
+        ("slice", f"the first {options['num_requests']} {options['trace']} requests, prompts up to "
+                  f"{options['max_prompt_tokens']:,} tokens, {options['max_tokens']} output tokens each"),
+        ("arrivals", f"Poisson at {options['qps']:g} req/s, seed {options['seed']}"),
+        ("peers", f"{options['prefill_workers']} prefill + {options['decode_workers']} decode, {threads} torch "
+                  f"thread(s) each"),
+        ("KV per peer", f"{options['num_pages']:,} pages x {options['page_size']} = "
+                        f"{options['num_pages'] * options['page_size']:,} tokens"),
+        ("PIC backend", options["pic_backend"]),
+        ("reuse bound of the slice", f"{document['hit_ratio_bound']:.1%} (prefix caching alone "
+                                     f"{document['pc_hit_ratio_bound']:.1%})"),
+    ), caption="Settings (every one is an option of `nebula-engine compare`):")
+    return ResultsPage("main-job", "Main job: cluster policies on one machine", MAIN_JOB_ABOUT, (results, settings),
+                       notes=COLUMNS_EXPLAINED, png=png)
+
+
 def plot_compare(path: Path, rows: list[dict], bound: float | None, title: str) -> None:
     """TTFT CDF of each policy beside a bar of each policy's cache hit ratio."""
     import numpy as np
@@ -238,6 +278,7 @@ def plot_compare(path: Path, rows: list[dict], bound: float | None, title: str) 
 @click.option("--model", default=DEFAULT_MODEL, show_default=True,
               help="Model of every peer: a short name, a checkpoint dir or GGUF file; 'bench-qwen3' = a random "
                    "4-layer Qwen3 built on first use.")
+@click.option("--download", is_flag=True, help="Fetch a catalog model that is not downloaded yet.")
 @click.option("--trace", default=CompareOptions.trace, show_default=True,
               help="Workload (the RAGPulse slice ships inside; others read --data).")
 @click.option("--num-requests", type=click.IntRange(min=1), default=CompareOptions.num_requests, show_default=True)
@@ -280,28 +321,33 @@ def plot_compare(path: Path, rows: list[dict], bound: float | None, title: str) 
 @click.option("--data", "data_dir", type=click.Path(file_okay=False, path_type=Path), default=None)
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("bench_results"),
               show_default=True)
-def compare_command(model, data_dir, out_dir, **options) -> None:
+@click.option("--write-docs", is_flag=True,
+              help=f"Also write the results page {DOCS_RESULTS}/main-job.md (and its plot) under the working "
+                   "directory.")
+def compare_command(model, download, data_dir, out_dir, write_docs, **options) -> None:
     """Start a local cluster per policy (pc, local-pic, nebula), replay a workload slice, print the comparison."""
     options["policies"] = tuple(dict.fromkeys(options["policies"])) or CompareOptions.policies
     opts = CompareOptions(**options)
-    model = str(bench_model_dir()) if model == "bench-qwen3" else _resolved(model)
+    model = str(bench_model_dir()) if model == "bench-qwen3" else _resolved(model, download)
     threads = f", {opts.threads_per_peer} thread(s) each" if opts.threads_per_peer else ""
     click.echo(f"replaying {opts.num_requests} {opts.trace} requests at {opts.qps:g} req/s on "
                f"{opts.prefill_workers} prefill + {opts.decode_workers} decode peers{threads}, "
                f"{opts.kv_tokens_per_peer:,} KV tokens per peer, model {Path(model).name}; per policy:", err=True)
     started = time.monotonic()
     rows = compare(model, opts, out_dir, data_dir)
-    bound = json.loads((out_dir / "compare.json").read_text())["hit_ratio_bound"]
-    click.echo(format_table(rows, bound))
+    document = json.loads((out_dir / "compare.json").read_text())
+    click.echo(format_table(rows, document["hit_ratio_bound"]))
+    if write_docs:
+        click.echo(f"wrote {write_page(main_job_page(document, out_dir / 'compare.png'))}")
     click.echo(f"wrote {out_dir / 'compare.json'} and {out_dir / 'compare.png'}; peer logs in {out_dir / 'logs'} "
                f"({time.monotonic() - started:.0f} s in all)")
 
 
-def _resolved(model: str) -> str:
+def _resolved(model: str, download: bool) -> str:
     from nebula_engine.config import resolve_model
 
     try:
-        path = resolve_model(model)
-    except FileNotFoundError as error:
+        path = resolve_model(model, download=download)
+    except (FileNotFoundError, RuntimeError) as error:  # not downloaded, or the download failed
         raise click.UsageError(str(error)) from error
     return str(Path(path).resolve()) if Path(path).exists() else path

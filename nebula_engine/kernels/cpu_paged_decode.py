@@ -9,7 +9,7 @@ The kernel is compiled for this machine on first use (``-O3 -march=native``, ~8 
 into its extension cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) and loaded from there
 afterwards; processes that load it at once wait for one build. It runs on torch's own OpenMP pool
 (``at::parallel_for``): a kernel from numba or a library built with its own ``-fopenmp`` brings a second OpenMP
-runtime whose threads fight torch's (measured at stop 28: a prefill beside it took twice the CPU time). Without a
+runtime whose threads fight torch's (measured with a numba kernel: a prefill beside it took twice the CPU time). Without a
 C++ compiler or ninja, or with ``NEBULA_CPU_KERNELS=0``, the torch path runs.
 """
 

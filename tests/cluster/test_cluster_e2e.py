@@ -96,8 +96,10 @@ def test_segment_cached_on_one_peer_is_reused_on_another_via_nixl(cluster, model
     assert status == 200, remote
     assert cluster.state("prefill-1")["transfer_bytes"] > before  # the segments came from prefill-0
     assert remote["usage"]["nebula"]["pic_cached_tokens"] == 72
-    # read from KV that existed before; the new system prompt, prefilled while the reads ran, is no hit
-    assert remote["usage"]["prompt_tokens_details"]["cached_tokens"] == 72
+    # read from KV that existed before and not recomputed; the new system prompt, prefilled while the reads ran,
+    # is no hit
+    recomputed = remote["usage"]["nebula"]["recomputed_tokens"]
+    assert remote["usage"]["prompt_tokens_details"]["cached_tokens"] == 72 - recomputed
     assert cluster.state("prefill-1")["lead_tokens_prefilled"] - leads_before == len(system_b)
     assert cluster.state("prefill-1")["pic"]["segment_misses"] == 0
 
@@ -121,7 +123,7 @@ def test_the_leader_times_its_prefill_again_once_every_peer_has_started_and_noth
 
 @pytest.mark.parametrize("prefill_peer", ["prefill-0", None], ids=["pinned", "routed"])
 def test_pic_off_request_after_a_pic_one_returns_plain_greedy_tokens(cluster, model_dir, prefill_peer):
-    """Issue #12 point 4 across the cluster: the blended K/V a PIC request leaves in a peer's prefix cache never
+    """KV provenance across the cluster: the blended K/V a PIC request leaves in a peer's prefix cache never
     answers a PIC-off request with the same prompt, on that peer (pinned) or wherever the router sends it."""
     seed = 3 if prefill_peer else 4
     segments = rag_segments([31 + seed] * 8, documents(seed=seed, count=3), [32, 33, 34, 35, 36])
@@ -132,7 +134,7 @@ def test_pic_off_request_after_a_pic_one_returns_plain_greedy_tokens(cluster, mo
     assert body["usage"]["nebula"]["pic_cached_tokens"] == 72 and body["usage"]["nebula"]["recomputed_tokens"] == 0
     status, exact = post(url, "/v1/completions", completion(model_dir, segments, pic_backend=None, **pinned))
     assert status == 200, exact
-    assert exact["usage"]["nebula"]["pic_cached_tokens"] == 0
+    assert exact["usage"]["nebula"].get("pic_cached_tokens", 0) == 0  # PIC detail fields only where PIC ran
     assert exact["usage"]["nebula"]["prefix_cached_tokens"] <= 8  # at most the exact system prompt's pages
 
     plain = LLM(model_dir, enable_prefix_caching=False, **ENGINE)
@@ -206,7 +208,8 @@ def test_openai_client_streams_a_chat_with_pic_tags(cluster, model_dir):
 def test_bad_input_gets_a_400_and_the_cluster_keeps_serving(cluster, model_dir, body, needle):
     body = {k: (model_dir if v == "M" else v) for k, v in body.items()}
     status, error = post(cluster.urls["prefill-0"], "/v1/completions", body)
-    assert status == 400 and needle in error["error"]["message"], error
+    unknown_model = body.get("model") == "nope"  # OpenAI's and vLLM's 404 model_not_found
+    assert status == (404 if unknown_model else 400) and needle in error["error"]["message"], error
     status, ok = post(cluster.urls["prefill-0"], "/v1/completions",
                       {"model": model_dir, "prompt": "hello there", "max_tokens": 2})
     assert status == 200 and ok["usage"]["completion_tokens"] == 2
@@ -299,7 +302,7 @@ def test_every_peer_wants_the_api_key_on_v1_but_not_on_health_and_metrics(cluste
 
 
 def test_a_hybrid_model_decodes_on_the_decode_peer_exactly_as_on_one_engine(checkpoint_factory, tmp_path):
-    """Issue #15 point 4: Qwen3.5's linear-attention state after the prompt goes to the decode peer with its
+    """Qwen3.5's linear-attention state after the prompt goes to the decode peer with its
     pages, so the decode peer continues it, and the tokens are a single engine's."""
     model = str(checkpoint_factory(CASES_BY_NAME["qwen3_5_linear_full_linear"]))
     prompt = documents(seed=9, count=1, length=37)[0]

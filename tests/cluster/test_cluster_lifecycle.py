@@ -220,8 +220,8 @@ def health(url: str) -> int:
 
 
 def test_a_port_taken_after_it_was_drawn_restarts_the_cluster_on_new_ports(model_dir, tmp_path):
-    """Another process binds one of the drawn ports before the peer does (the CI failure at stop 34: a decode
-    peer's HTTP bind found its port in use). The peer exits at once (``PORT_TAKEN_EXIT``) and the cluster starts
+    """Another process binds one of the drawn ports before the peer does (as when a decode peer's HTTP bind finds
+    its port in use). The peer exits at once (``PORT_TAKEN_EXIT``) and the cluster starts
     again on newly drawn ports; with the HTTP ports kept (a user's ``--port``), a taken one is an error."""
     spec = local_spec(1, 1)
     taken = spec.peers[1].http_port

@@ -26,7 +26,7 @@ def expected(llm):
 
 
 def unbuildable_seed() -> SamplingParams:
-    """What ``"seed": 18446744073709551616`` was before #11's bounds: it reached the sampler, whose
+    """What ``"seed": 18446744073709551616`` would be without the API's bounds: it reaches the sampler, whose
     ``torch.Generator.manual_seed`` overflows. Set past validation, as an older client of the engine could."""
     params = SamplingParams(max_tokens=10, temperature=0.7, seed=1)
     object.__setattr__(params, "seed", 2 ** 64)

@@ -1,4 +1,4 @@
-"""PIC requests in the scheduler, through a real engine on a tiny checkpoint (issue #15 point 6): a PIC prompt that
+"""PIC requests in the scheduler, through a real engine on a tiny checkpoint: a PIC prompt that
 does not fit a step does not hold up the queue, and a preempted PIC request resumes with PIC, its output unchanged.
 Progress is counted in engine steps, never in time."""
 

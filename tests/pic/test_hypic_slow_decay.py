@@ -1,4 +1,4 @@
-"""HYPIC on a hybrid checkpoint whose linear-attention state decays slowly (issue #12 point 7).
+"""HYPIC on a hybrid checkpoint whose linear-attention state decays slowly.
 
 The tiny random hybrids forget within a token (their log-decay is about -softplus(1) per step), so a composed
 tail's error never shows. Here every linear layer's ``A_log`` is set to -6 and ``dt_bias`` to 0: the state keeps
@@ -81,7 +81,7 @@ def test_slow_decay_shows_composed_tail_errors_and_the_exact_setting_has_none(me
 
 
 def test_default_seam_quality_on_slow_decay(measure, capsys):
-    """Reports HYPIC's quality at its default seam (the README quotes it) and checks the seam helps."""
+    """Reports HYPIC's quality at its default seam (printed with ``-s``) and checks the seam helps."""
     narrow, default = measure("hypic:seam=3"), measure("hypic")
     with capsys.disabled():
         for result in (narrow, default):

@@ -1,4 +1,4 @@
-"""Approximate K/V never answers an exact request (issue #12 point 4): the prefix cache knows which pages a
+"""Approximate K/V never answers an exact request: the prefix cache knows which pages a
 plain prefill would have computed and which a PIC backend's combine approximated, and hands each request only
 K/V its own backend setting would have produced."""
 

@@ -156,7 +156,7 @@ def test_sweep_adds_each_named_backends_settings_once():
     assert rag.sweep_line("epic:k=4") == "epic"
 
 
-def test_merge_pools_the_rows_of_runs_over_disjoint_prompts(tmp_path, capsys):
+def test_merge_pools_the_rows_of_runs_over_disjoint_prompts(tmp_path, capsys, monkeypatch):
     rag = import_tool("pic_quality_rag")
     keys = ("recomputed", "reused_share", "kl_next", "top1_next", "kl_tf", "top1_tf", "match20", "correct",
             "combine_share")
@@ -172,6 +172,12 @@ def test_merge_pools_the_rows_of_runs_over_disjoint_prompts(tmp_path, capsys):
     assert report["num_prompts"] == 2 and report["pic_off_accuracy"] == 0.5
     assert report["results"][0]["kl_next"] == pytest.approx(0.2)
     assert "| naive | 50% | 0.200 |" in (tmp_path / "t.md").read_text()
+    monkeypatch.chdir(tmp_path)  # the results page goes to docs/results/ under the working directory
+    rag.merge([str(tmp_path / "a.json"), str(tmp_path / "b.json")], None, None, docs_page="pic-quality")
+    page = (tmp_path / "docs" / "results" / "pic-quality.md").read_text()
+    assert page.startswith("# PIC quality on a real model\n") and "| naive | 50% | 0.200 |" in page
+    assert "PIC off answers 50% correctly (1/2)" in page and "Written by `" in page and "- CPU: " in page
+    assert (tmp_path / "docs" / "results" / "pic-quality.png").read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(SystemExit, match="same backend specs"):
         bad = tmp_path / "c.json"
         bad.write_text(json.dumps({"rows": {"epic": []}, "pic_off": []}))

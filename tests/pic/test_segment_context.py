@@ -1,4 +1,4 @@
-"""Segments prefilled behind the request's prefix (``context=prefix``), and the selection levers of issue #12:
+"""Segments prefilled behind the request's prefix (``context=prefix``), and CacheBlend's and A3's selection options:
 exact settings still equal plain prefill, a document cached behind the same prefix at the same place is exact
 with no recompute, store keys follow the prefix, and bad options are clear errors."""
 

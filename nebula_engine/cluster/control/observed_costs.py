@@ -18,7 +18,7 @@ from dataclasses import replace
 from nebula_engine.cluster.control.config import ClusterProfile
 
 # observations each median covers: about 30 s of the default compare's segment reads (48 requests in 48 s moved
-# 100-250 segments per run, README); a window that short follows load as it changes within a run
+# 100-250 segments per run); a window that short follows load as it changes within a run
 WINDOW = 32
 
 

@@ -69,7 +69,7 @@ class RequestKeys:
 # the start of one regular segment (a system prompt whose end varies), which the engines' page-level prefix caches
 # reuse, and a key per whole segment would never match. 256 tokens (16 pages of 16) keeps a prompt's keys and events
 # few; what a block boundary hides is under 256 tokens of prefill a hit (~14 ms at the bench model's measured 54 us a
-# token, README).
+# token, `nebula-engine profile`).
 PC_BLOCK_TOKENS = 256
 
 

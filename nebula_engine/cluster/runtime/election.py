@@ -188,7 +188,7 @@ class EtcdAccess:
         session = requests.Session()
         if self.ca_cert:
             session.verify = self.ca_cert
-            session.trust_env = False  # else $REQUESTS_CA_BUNDLE silently replaces our CA (requests issue #3829)
+            session.trust_env = False  # else $REQUESTS_CA_BUNDLE silently replaces our CA (https://github.com/psf/requests/issues/3829)
         if self.cert:
             session.cert = (self.cert, self.key)
         return session

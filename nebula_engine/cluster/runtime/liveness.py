@@ -13,7 +13,7 @@ from typing import Callable, Iterable
 
 DEFAULT_DEAD_AFTER_S = 3.0  # ten missed heartbeats (HEARTBEAT_S); what the router has used since the cluster ran
 HEARTBEAT_S = 0.3
-# The bound on how long a request may wait for a live leader after losing its peer (#11: "at most 10 s").
+# How long a request may wait for a live leader after losing its peer before it fails with a 503: at most 10 s.
 DEFAULT_FAILOVER_TIMEOUT_S = 10.0
 
 

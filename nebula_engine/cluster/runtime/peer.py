@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 TICK_S = 0.1
 # A peer times its prefill at start-up while the other peers of a local cluster load too: within one default compare
 # the four peers read 0.050 to 0.127 ms a token, and the leader 0.047 once idle. Planned with 0.12 ms, nebula's
-# TTFT p99 was 2.58 s against 0.44 s with the 0.05 measured (README, #13). So the leader times it again while the
+# TTFT p99 was 2.58 s against 0.44 s with the 0.05 measured idle. So the leader times it again while the
 # cluster is idle, after every peer has started, and keeps the fastest. Each timing holds its engine for three
 # 256-token forwards (~40 ms on the default compare's model); five, a second apart, bound what that costs.
 IDLE_TIMINGS = 5

@@ -196,7 +196,7 @@ class RouterService:
         if flight is not None and msg.task_id == flight.combine_task:
             del self.in_flight[msg.request_id]
         if logger.isEnabledFor(logging.DEBUG):
-            for transfer in msg.transfers:  # what the spec's two fixed costs are measured from (README, #13)
+            for transfer in msg.transfers:  # what the spec's two fixed costs are measured from
                 logger.debug("transfer from %s: %d tokens, %s, pin to store %.4f s, predicted prefill %.4f s",
                              transfer.peer, transfer.num_tokens, "scattered" if transfer.scattered else "cached",
                              transfer.seconds, self.config.profile.prefill.compute_seconds(transfer.num_tokens, 0.0))

@@ -59,17 +59,15 @@ class ClusterSpec:
     # the planner's fixed cost of reading KV from another peer, paid once per source: a pin round trip and the
     # insert, both under the peers' cache locks (served while a step computes). 17 ms is the median from pin sent
     # to segment stored of the 71 segments already cached on their holder that two default compares read with every
-    # read and scatter planned (nebula, 4 one-thread bench-qwen3 peers on 2 cores; the routers' debug log "transfer
-    # from ...", README #13). It was 51 ms on stop 22's code and 91 ms while pins waited for steps
+    # read and scatter planned (nebula, 4 one-thread bench-qwen3 peers on 2 cores; the router's debug log "transfer
+    # from ..."). Measure a deployment's own the same way and set it in its cluster spec
     remote_read_latency_s: float = 0.017
     # the planner's fixed cost of scattering a cold segment to another peer, beyond its prefill and the read
     # (ClusterProfile.dispatch_s): the helper finishes its step in progress before it prefills. 8 ms is the median
     # of (pin sent to segment stored) - (its predicted prefill) - remote_read_latency_s over the 151 scattered
-    # segments of the same two compares (each run alone: 15 and -10 ms, as the predicted prefill rests on one timing
-    # at start-up). It was 0.10 s on stop 22's code, before combines queued at once and attention over cached KV
-    # lost its mask. The same method on stop 31's code gives 23 ms, but its prediction now uses the idle prefill
-    # speed, so that residual also holds the helper's shared-core slowdown, which the planner charges as shared cores
-    # already; planned with 23 ms nebula was 0.94, 0.94 and 0.77x local-pic (README #13), so 8 ms stays
+    # segments of the same two compares. With the prefill predicted at the leader's idle speed the residual is 23 ms,
+    # but that also holds the helper's slowdown beside the other peers, which the planner charges as shared cores
+    # already (counted twice, nebula's TTFT p50 was 0.94, 0.94 and 0.77x local-pic's in three compares), so 8 ms
     scatter_dispatch_s: float = 0.008
     # peers on this one machine share its cores, and the planner bounds a plan by what they can do together
     # (TransferCosts.parallel_forwards); False plans as if each peer had processors of its own (Algorithm 1)
@@ -77,7 +75,7 @@ class ClusterSpec:
     # True: the two fixed costs above are where the router starts, and it then charges what the homes report
     # reads and scatters take (ObservedTransferCosts). Off by default: on the default compare, nebula alone with it
     # read 12.5-12.9 MB instead of 0.8-2.4 MB and its TTFT p50 was 0.250-0.264 s instead of 0.220-0.232 s (two
-    # interleaved pairs, README): a read's pin-to-stored time leaves out what it costs the peers' shared cores
+    # interleaved pairs): a read's pin-to-stored time leaves out what it costs the peers' shared cores
     observe_transfer_costs: bool = False
 
     def __post_init__(self) -> None:

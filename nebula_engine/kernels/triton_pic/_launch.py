@@ -24,5 +24,5 @@ def check_devices(*tensors: torch.Tensor) -> None:
 
 def dot_in_fp32(dtype: torch.dtype) -> bool:
     """Whether products run in fp32 (IEEE): for fp32 inputs, and always in the interpreter, whose bf16
-    ``tl.dot`` is wrong (triton issue #11584). Half-precision inputs on the GPU use tensor cores natively."""
+    ``tl.dot`` is wrong (https://github.com/triton-lang/triton/issues/11584). Half-precision inputs on the GPU use tensor cores natively."""
     return interpreting() or dtype == torch.float32

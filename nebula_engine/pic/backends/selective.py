@@ -97,7 +97,7 @@ class CacheBlend(CheckLayerBackend):
     check_layers: tuple[int, ...] = (1,)
     ratios: tuple[float, ...] = ()  # per check layer (gradual filtering); empty: ``ratio`` at every one
     deviation: str = "value"  # "value" (CacheBlend) | "key" (LMCache)
-    # each segment's first 4 tokens kept: on SmolLM2's 12 fictional-fact prompts (README, docs/pic_quality) at 15%
+    # each segment's first 4 tokens kept: on SmolLM2's 12 fictional-fact prompts (tools/pic_quality.py) at 15%
     # recomputed, reply KL 0.194 -> 0.173 (lower on 10 of 12 prompts), next-token KL 0.080 either way (lower on 8)
     sink: int = 4
     exact_settings: ClassVar = {"ratio": 1.0}
