@@ -15,16 +15,16 @@ C++ compiler or ninja, or with ``NEBULA_CPU_KERNELS=0``, the torch path runs.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import logging
 import os
-import shutil
 import threading
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from nebula_engine.kernels.cpp_build import build_and_load, cpu_flags_line, first_error_line
 
 logger = logging.getLogger(__name__)
 
@@ -38,49 +38,12 @@ _ENABLED = os.environ.get(KERNELS_ENV, "1") != "0"
 def _build_name() -> str:
     """The extension's name: its source and this CPU's features, since it is built with -march=native."""
     digest = hashlib.sha256(SOURCE.read_bytes())
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        flags = ""
-    digest.update(flags.encode())
+    digest.update(cpu_flags_line().encode())
     return f"nebula_cpu_paged_decode_{digest.hexdigest()[:12]}"
 
 
-def _ensure_ninja() -> None:
-    """torch's cpp_extension runs ``ninja`` from PATH; the ``ninja`` wheel (a dependency) installs one into the
-    environment's bin folder, which is not on PATH when the venv is not activated."""
-    if shutil.which("ninja") is not None:
-        return
-    try:
-        import ninja
-    except ImportError:
-        return
-    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-
-
-def _first_error_line(error: Exception) -> str:
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return next((line for line in lines if "error" in line.lower()), lines[-1] if lines else type(error).__name__)
-
-
 def _build_and_load() -> None:
-    """``cpp_extension.load`` into a folder of its own, one process at a time.
-
-    torch's own guard is a lock file that a build killed midway (SIGKILL, a lost machine) leaves behind, and every
-    later load then waits for it forever. Here the processes queue on an ``flock``, which the OS releases when its
-    holder dies, and the holder clears a torch lock file that no live build can own."""
-    from torch.utils import cpp_extension
-
-    _ensure_ninja()
-    name = _build_name()
-    folder = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()) / name
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / "nebula-build.lock", "w") as guard:
-        fcntl.flock(guard, fcntl.LOCK_EX)
-        (folder / "lock").unlink(missing_ok=True)
-        cpp_extension.load(name, [str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                           extra_ldflags=["-fopenmp"], build_directory=str(folder), is_python_module=False,
-                           verbose=False)
+    build_and_load(_build_name(), SOURCE, ["-O3", "-march=native"])
 
 
 def load() -> bool:
@@ -97,7 +60,7 @@ def load() -> bool:
             _LOADED = True
         except Exception as error:  # no compiler, no ninja, a read-only cache: the torch path still works
             logger.warning("CPU paged-decode kernel unavailable, decode attention uses the torch path: %s",
-                           _first_error_line(error))
+                           first_error_line(error))
             _LOADED = False
     return _LOADED
 

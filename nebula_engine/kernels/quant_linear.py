@@ -17,11 +17,9 @@ CPU: on other devices the weights are dequantized at load.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import logging
 import os
-import shutil
 import threading
 import warnings
 from dataclasses import dataclass
@@ -30,6 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from nebula_engine.kernels.cpp_build import build_and_load, cpu_flags_line, first_error_line
 
 logger = logging.getLogger(__name__)
 
@@ -152,17 +152,9 @@ class StackedQuantizedWeight:
 AnyQuantizedWeight = QuantizedWeight | StackedQuantizedWeight
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return set()
-    return set(line.partition(":")[2].split())
-
-
 def _simd_flags() -> list[str]:
     """AVX2 code only for a CPU that runs it: the flags from /proc/cpuinfo, else torch's own CPU check."""
-    flags = _cpu_flags()
+    flags = set(cpu_flags_line().partition(":")[2].split())
     if flags:
         has_simd = {"avx2", "fma", "f16c"} <= flags
     else:
@@ -170,34 +162,11 @@ def _simd_flags() -> list[str]:
     return ["-mavx2", "-mfma", "-mf16c"] if has_simd else []
 
 
-def _ensure_ninja() -> None:
-    """torch's cpp_extension runs ``ninja`` from PATH; the ``ninja`` wheel (a dependency) installs one into the
-    environment's bin folder, which is not on PATH when the venv is not activated."""
-    if shutil.which("ninja") is not None:
-        return
-    try:
-        import ninja
-    except ImportError:
-        return
-    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-
-
 def _build_and_load() -> None:
-    """``cpp_extension.load`` into a folder named by the source and flags, one process at a time (an ``flock``,
-    released by the OS when its holder dies, unlike torch's own lock file; see ``cpu_paged_decode``)."""
-    from torch.utils import cpp_extension
-
-    _ensure_ninja()
-    flags = ["-O3", "-fopenmp", *_simd_flags()]
+    """Into a folder named by the source and flags (``kernels.cpp_build``)."""
+    flags = ["-O3", *_simd_flags()]
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
-    name = f"nebula_cpu_quant_matmul_{digest}"
-    folder = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()) / name
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / "nebula-build.lock", "w") as guard:
-        fcntl.flock(guard, fcntl.LOCK_EX)
-        (folder / "lock").unlink(missing_ok=True)
-        cpp_extension.load(name, [str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                           build_directory=str(folder), is_python_module=False, verbose=False)
+    build_and_load(f"nebula_cpu_quant_matmul_{digest}", SOURCE, flags)
 
 
 def load() -> bool:
@@ -216,9 +185,8 @@ def load() -> bool:
             _build_and_load()
             _LOADED = True
         except Exception as error:  # no compiler, no ninja, a read-only cache: weights are dequantized at load
-            lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-            first = next((line for line in lines if "error" in line.lower()), lines[-1] if lines else repr(error))
-            logger.warning("CPU quantized-linear kernel unavailable, GGUF weights are dequantized at load: %s", first)
+            logger.warning("CPU quantized-linear kernel unavailable, GGUF weights are dequantized at load: %s",
+                           first_error_line(error))
             _LOADED = False
     return _LOADED
 
