@@ -90,6 +90,20 @@ def openai_client(server: ThreadedServer):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
 
 
+@pytest.fixture()
+def client(server):
+    """The real ``openai`` client on the module's ``server`` fixture."""
+    return openai_client(server)
+
+
+def offline(reference_llm, prompt, **params):
+    """The offline engine's one output for ``prompt``: what the server's answer is compared with."""
+    from nebula_engine import SamplingParams
+
+    [output] = reference_llm.generate(prompt, SamplingParams(**params))
+    return output
+
+
 @pytest.fixture(scope="session")
 def qwen3_dir(checkpoint_factory):
     return checkpoint_factory(CASES_BY_NAME["qwen3_gqa2_hd20"])

@@ -12,10 +12,9 @@ import httpx2
 import openai
 import pytest
 
-from nebula_engine import SamplingParams
 from nebula_engine.config import EngineConfig
 from nebula_engine.engine.llm_engine import LLMEngine
-from tests.server.conftest import ENGINE_SETTINGS, MODEL_NAME, openai_client, serve_for_openai_clients
+from tests.server.conftest import ENGINE_SETTINGS, MODEL_NAME, offline, serve_for_openai_clients
 
 PROMPTS = ["The quick brown fox", "Once upon a time"]
 CHAT = [{"role": "user", "content": "Name a colour."}]
@@ -24,16 +23,6 @@ CHAT = [{"role": "user", "content": "Name a colour."}]
 @pytest.fixture(scope="module")
 def server(qwen3_dir):
     yield from serve_for_openai_clients(LLMEngine(EngineConfig.create(str(qwen3_dir), **ENGINE_SETTINGS)))
-
-
-@pytest.fixture()
-def client(server):
-    return openai_client(server)
-
-
-def offline(reference_llm, prompt, **params):
-    [output] = reference_llm.generate(prompt, SamplingParams(**params))
-    return output
 
 
 def test_explicit_nulls_mean_absent(server):

@@ -13,7 +13,7 @@ import pytest
 
 from nebula_engine.config import EngineConfig
 from nebula_engine.engine.llm_engine import LLMEngine
-from tests.server.conftest import ENGINE_SETTINGS, MODEL_NAME, openai_client, serve_for_openai_clients
+from tests.server.conftest import ENGINE_SETTINGS, MODEL_NAME, serve_for_openai_clients
 
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city.",
@@ -36,11 +36,6 @@ def llm_engine(qwen3_tools_dir):
 @pytest.fixture(scope="module")
 def server(llm_engine):
     yield from serve_for_openai_clients(llm_engine)
-
-
-@pytest.fixture()
-def client(server):
-    return openai_client(server)
 
 
 def chat(client, messages, **kwargs):

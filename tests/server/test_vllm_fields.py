@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from nebula_engine import SamplingParams
-from tests.server.conftest import MODEL_NAME, openai_client, serve_for_openai_clients
+from tests.server.conftest import MODEL_NAME, offline, serve_for_openai_clients
 
 PROMPT = "The quick brown fox jumps over the lazy dog and"
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
@@ -22,16 +22,6 @@ GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
 @pytest.fixture(scope="module")
 def server(observed_engine):
     yield from serve_for_openai_clients(observed_engine)
-
-
-@pytest.fixture()
-def client(server):
-    return openai_client(server)
-
-
-def offline(reference_llm, prompt, **params):
-    [output] = reference_llm.generate(prompt, SamplingParams(**params))
-    return output
 
 
 def test_unknown_fields_are_ignored_and_named_in_one_warning(client, reference_llm, caplog):
