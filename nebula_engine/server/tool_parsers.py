@@ -94,20 +94,24 @@ def _decode_json(text: str, at: int) -> tuple[Any, int] | None:
         return None
 
 
-def _json_calls(text: str, at: int, arguments_key: str, separator: str) -> list[ParsedCall]:
-    """Complete calls in ``text[at:]``: JSON objects separated by ``separator``, up to the first that is not
-    (yet) a whole call."""
+def _json_calls(text: str, at: int, arguments_key: str, separator: str,
+                require_arguments: bool = False) -> list[ParsedCall]:
+    """Complete calls in ``text[at:]``: JSON objects separated by ``separator`` ("": whitespace alone), up to the
+    first that is not (yet) a whole call; with ``require_arguments`` an object without ``arguments_key`` is none."""
     calls = []
     while True:
         decoded = _decode_json(text, at)
-        call = None if decoded is None else _call(decoded[0], arguments_key)
+        if decoded is None or (require_arguments and not (isinstance(decoded[0], dict)
+                                                          and arguments_key in decoded[0])):
+            return calls
+        call = _call(decoded[0], arguments_key)
         if call is None:
             return calls
         calls.append(call)
         rest = text[decoded[1]:].lstrip()
         if not rest.startswith(separator):
             return calls
-        at = len(text) - len(rest) + 1
+        at = len(text) - len(rest) + len(separator)
 
 
 class HermesToolParser(ToolParser):
@@ -136,7 +140,7 @@ class HermesToolParser(ToolParser):
 
     def calls(self, markup: str, finished: bool) -> list[ParsedCall]:
         if markup.lstrip().startswith(self._BARE):
-            return _bare_calls(markup)
+            return _json_calls(markup, 0, "arguments", "", require_arguments=True)
         return self._block_calls(markup, finished)
 
     def _block_calls(self, markup: str, finished: bool) -> list[ParsedCall]:
@@ -154,21 +158,6 @@ class HermesToolParser(ToolParser):
                 break
             calls.append(call)
         return calls
-
-
-def _bare_calls(text: str) -> list[ParsedCall]:
-    """Whole ``{"name", "arguments"}`` objects back to back from the start of ``text`` (whitespace between them)."""
-    calls, at = [], 0
-    while text[at:].strip():
-        decoded = _decode_json(text, at)
-        if decoded is None or not isinstance(decoded[0], dict) or "arguments" not in decoded[0]:
-            return calls
-        call = _call(decoded[0], "arguments")
-        if call is None:
-            return calls
-        calls.append(call)
-        at = decoded[1]
-    return calls
 
 
 class MistralToolParser(ToolParser):
