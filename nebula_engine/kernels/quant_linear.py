@@ -65,6 +65,7 @@ _LOCK = threading.Lock()
 _LOADED: bool | None = None  # None: not tried yet
 _ENABLED = os.environ.get(KERNELS_ENV, "1") != "0"
 _SIMD: bool | None = None  # None: whatever the build has
+_BUILT_SIMD = False  # the loaded build has its AVX2 path (read once at load, not on every call)
 
 
 def computes(qtype: int, in_features: int) -> bool:
@@ -172,7 +173,7 @@ def _build_and_load() -> None:
 def load() -> bool:
     """Build (once per machine) and load the kernel; True when ``torch.ops.nebula_quant`` is usable. A failure (or
     ``NEBULA_CPU_KERNELS=0``) is logged once and False is returned from then on."""
-    global _LOADED
+    global _LOADED, _BUILT_SIMD
     if _LOADED is not None:
         return _LOADED
     with _LOCK:
@@ -183,6 +184,7 @@ def load() -> bool:
             return _LOADED
         try:
             _build_and_load()
+            _BUILT_SIMD = bool(torch.ops.nebula_quant.simd())
             _LOADED = True
         except Exception as error:  # no compiler, no ninja, a read-only cache: weights are dequantized at load
             logger.warning("CPU quantized-linear kernel unavailable, GGUF weights are dequantized at load: %s",
@@ -193,7 +195,7 @@ def load() -> bool:
 
 def has_simd() -> bool:
     """Whether the loaded kernel was built with its AVX2 path."""
-    return load() and bool(torch.ops.nebula_quant.simd())
+    return load() and _BUILT_SIMD
 
 
 def set_simd(enabled: bool | None) -> bool | None:
@@ -222,7 +224,7 @@ def quantized_linear(x: torch.Tensor, weight: AnyQuantizedWeight, bias: torch.Te
     rows = x.reshape(-1, in_features).contiguous()
     out = rows.new_empty(rows.shape[0], out_features)
     parts = _parts(weight)
-    simd = has_simd() if _SIMD is None else _SIMD
+    simd = _BUILT_SIMD if _SIMD is None else _SIMD
     torch.ops.nebula_quant.linear(rows, [part.data for part in parts], [int(part.qtype) for part in parts],
                                   None if bias is None else bias.detach().contiguous(), GEMM_MIN_ROWS, PANEL_ROWS,
                                   simd, out)
@@ -240,6 +242,6 @@ def dequantize(weight: QuantizedWeight) -> torch.Tensor:
     if not load():
         return weight.dequantize()
     out = torch.empty(weight.shape)
-    simd = has_simd() if _SIMD is None else _SIMD
+    simd = _BUILT_SIMD if _SIMD is None else _SIMD
     torch.ops.nebula_quant.dequantize(weight.data, int(weight.qtype), simd, out)
     return out
