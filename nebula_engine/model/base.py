@@ -93,8 +93,8 @@ class CausalLM(nn.Module, ABC):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_named_weights(self, weights, ignore=self.ignored_weights,
                            tied_lm_head=self.config.tie_word_embeddings)
-        if not self.config.tie_word_embeddings:
-            self._store_lm_head_transposed()
+        if not self.config.tie_word_embeddings and isinstance(self.lm_head.weight, nn.Parameter):
+            self._store_lm_head_transposed()  # an fp32 head; one that took GGUF blocks computes with them
 
     @torch.no_grad()
     def _store_lm_head_transposed(self) -> None:

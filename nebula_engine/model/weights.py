@@ -60,11 +60,11 @@ def _copy_checked(dest: torch.Tensor, name: str, tensor: torch.Tensor) -> None:
     dest.copy_(tensor)
 
 
-def _block_taker(model: nn.Module, name: str, tied_lm_head: bool) -> Linear | None:
+def _block_taker(model: nn.Module, name: str) -> Linear | None:
     """The linear layer that computes with GGUF blocks for checkpoint tensor ``name``: an fp32 CPU ``Linear``
-    weight. Not an untied LM head: the model keeps that one transposed (``CausalLM._store_lm_head_transposed``)."""
+    weight, the LM head included (tied or not)."""
     module_name, _, kind = name.rpartition(".")
-    if kind != "weight" or (name == "lm_head.weight" and not tied_lm_head):
+    if kind != "weight":
         return None
     try:
         module = model.get_submodule(module_name)
@@ -102,7 +102,7 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
     for name, tensor in weights:
         if any(p.search(name) for p in ignore_patterns):
             continue
-        if isinstance(tensor, QuantizedWeight) and (module := _block_taker(model, name, tied_lm_head)) is not None:
+        if isinstance(tensor, QuantizedWeight) and (module := _block_taker(model, name)) is not None:
             _take_blocks(module, name, tensor)
             if name in params:  # not a tied head: the embedding's parameter is still to be loaded
                 filled[name] = params[name].numel()

@@ -92,10 +92,15 @@ def test_what_cannot_take_blocks_is_dequantized(checkpoint_factory, tmp_path, qu
     path = write_gguf(checkpoint_factory(UNTIED_CASE), tmp_path / "tiny.gguf", Q.Q8_0)
     untied, config, _ = load_model(str(path))
     assert not config.tie_word_embeddings
-    assert isinstance(untied.lm_head.weight, torch.nn.Parameter)  # the model stores an untied head transposed
+    assert isinstance(untied.lm_head.weight, QuantizedWeight)  # an untied head computes with its own blocks
     assert isinstance(untied.model.layers[1].mlp.down_proj.weight, QuantizedWeight)
     bf16, _, _ = load_model(str(path), dtype=torch.bfloat16)  # the kernel computes in fp32 only
     assert not _quantized(bf16) and bf16.model.layers[1].mlp.down_proj.weight.dtype == torch.bfloat16
+    dequantized, _, _ = load_model(str(path), quantization="float32")
+    assert isinstance(dequantized.lm_head.weight, torch.nn.Parameter)  # the fp32 head is stored transposed
+    assert dequantized.lm_head.weight.stride() == (1, config.vocab_size)
+    prompts = [torch.arange(3, 12), torch.arange(40, 97)]  # the head's GEMV and its GEMM
+    torch.testing.assert_close(_logits(untied, prompts), _logits(dequantized, prompts), atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match=r"quantization must be one of gguf, float32, got 'int4'"):
         load_model(str(path), quantization="int4")
 
