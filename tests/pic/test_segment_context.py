@@ -96,7 +96,7 @@ def test_levers_keep_the_recompute_budget(engines, spec, expected):
 
 def test_sink_heads_are_always_recomputed():
     """With a budget of exactly the heads, cacheblend:sink keeps the heads whatever the deviation scores say."""
-    from nebula_engine.pic.backends.selective import CacheBlend
+    from nebula_engine.pic.backends.cacheblend import CacheBlend
     from nebula_engine.pic.layout import CombineLayout
 
     layout = CombineLayout.plan(40, 0, [(4, 10), (14, 10), (24, 10)], [True, True, True])

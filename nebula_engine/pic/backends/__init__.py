@@ -12,10 +12,12 @@ from typing import Any
 
 from torch import nn
 
+from nebula_engine.pic.backends.a3 import A3
 from nebula_engine.pic.backends.base import PICBackend, UnsupportedModelError, has_linear_attention
+from nebula_engine.pic.backends.baselines import FullRecompute, NaiveReuse
+from nebula_engine.pic.backends.cacheblend import CacheBlend
+from nebula_engine.pic.backends.epic import EPIC
 from nebula_engine.pic.backends.hypic import HYPIC
-from nebula_engine.pic.backends.selective import A3, CacheBlend
-from nebula_engine.pic.backends.static import EPIC, FullRecompute, NaiveReuse
 
 __all__ = ["PIC_BACKENDS", "PICBackend", "UnsupportedModelError", "get_pic_backend", "resolve_pic_backend"]
 
