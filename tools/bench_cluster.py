@@ -9,7 +9,7 @@ page throughput is tools/bench_transfer.py.
 
 from __future__ import annotations
 
-from nebula_engine.bench.cluster_compare import compare_command
+from nebula_engine.cli.compare import compare
 
 if __name__ == "__main__":
-    compare_command(prog_name="bench_cluster.py")
+    compare(prog_name="bench_cluster.py")

@@ -35,7 +35,7 @@ import torch
 from pic_quality import PICHarness
 from pic_quality_rag import ChatPrompt, finish, measure, reference_prompts
 from nebula_engine.kernels.attention import AttentionContext
-from nebula_engine.pic.backends.selective import CacheBlend
+from nebula_engine.pic.backends.cacheblend import CacheBlend
 
 ORACLES = ("oracle-deviation", "oracle-impact")
 PAGE_ABOUT = ("CacheBlend recomputes the reused tokens whose K/V moved most at its check layer. Two oracles rank the "

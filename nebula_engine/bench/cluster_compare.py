@@ -6,7 +6,8 @@ Every policy runs with the same settings (peers, threads, KV pool, slice, arriva
 (options, the slice's reuse bound, one row per policy with its TTFTs) and ``compare.png`` (TTFT CDFs and hit
 ratios) into the output folder, and each peer's log under ``logs/<policy>/``.
 
-This is the repo's main job (``make run`` / ``nebula-engine compare``) and ``tools/bench_cluster.py``.
+This is the repo's main job (``make run`` / ``nebula-engine compare``, whose command is ``cli/compare.py``) and
+``tools/bench_cluster.py``.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from nebula_engine.bench.host_cpu import cpu_jiffies, steal_share
 from nebula_engine.bench.progress import Progress
 from nebula_engine.bench.replay import ReplayOptions, as_sent, replay
 from nebula_engine.bench.report import summarize
-from nebula_engine.bench.results_page import DOCS_RESULTS, ResultsPage, Table, write_page
+from nebula_engine.bench.results_page import ResultsPage, Table
 from nebula_engine.cluster.runtime.launcher import LocalCluster, local_spec
 from nebula_engine.cluster.runtime.spec import ClusterSpec, PeerSettings
 from nebula_engine.workloads.analysis import reuse_stats
@@ -272,82 +273,3 @@ def plot_compare(path: Path, rows: list[dict], bound: float | None, title: str) 
     bars.set_ylim(0, 100)
     bars.set_title("prompt tokens from existing KV", fontsize=9)
     figure.savefig(path, dpi=120)
-
-
-@click.command("compare")
-@click.option("--model", default=DEFAULT_MODEL, show_default=True,
-              help="Model of every peer: a short name, a checkpoint dir or GGUF file; 'bench-qwen3' = a random "
-                   "4-layer Qwen3 built on first use.")
-@click.option("--download", is_flag=True, help="Fetch a catalog model that is not downloaded yet.")
-@click.option("--trace", default=CompareOptions.trace, show_default=True,
-              help="Workload (the RAGPulse slice ships inside; others read --data).")
-@click.option("--num-requests", type=click.IntRange(min=1), default=CompareOptions.num_requests, show_default=True)
-@click.option("--qps", type=click.FloatRange(min=0, min_open=True), default=CompareOptions.qps, show_default=True,
-              help="Poisson arrival rate.")
-@click.option("--prefill-workers", type=click.IntRange(min=1), default=CompareOptions.prefill_workers,
-              show_default=True)
-@click.option("--decode-workers", type=click.IntRange(min=0), default=CompareOptions.decode_workers,
-              show_default=True)
-@click.option("--threads-per-peer", type=click.IntRange(min=1), default=CompareOptions.threads_per_peer,
-              show_default=True, help="torch threads of each peer [default: torch's own, one per core].")
-@click.option("--num-pages", type=click.IntRange(min=16), default=CompareOptions.num_pages, show_default=True,
-              help="KV pages of each peer (x --page-size tokens): running requests plus its cache.")
-@click.option("--page-size", type=click.IntRange(min=1), default=CompareOptions.page_size, show_default=True)
-@click.option("--max-prompt-tokens", type=click.IntRange(min=16), default=CompareOptions.max_prompt_tokens,
-              show_default=True, help="Prompts shrink by one factor for the run so the longest fits.")
-@click.option("--max-tokens", type=click.IntRange(min=1), default=CompareOptions.max_tokens, show_default=True)
-@click.option("--pic-backend", default=CompareOptions.pic_backend, show_default=True)
-@click.option("--seed", type=int, default=CompareOptions.seed, show_default=True)
-@click.option("--policy", "policies", type=click.Choice(POLICY_NAMES), multiple=True,
-              help="Run only this policy (repeatable; default: all three, in the order pc, local-pic, nebula).")
-@click.option("--remote-read-latency", "remote_read_latency_s", type=click.FloatRange(min=0),
-              default=CompareOptions.remote_read_latency_s, show_default=True,
-              help="Seconds the planner charges once per peer it reads KV from (the cluster spec's "
-                   "remote_read_latency_s; 0: every read the data plane offers is planned).")
-@click.option("--scatter-dispatch", "scatter_dispatch_s", type=click.FloatRange(min=0),
-              default=CompareOptions.scatter_dispatch_s, show_default=True,
-              help="Seconds the planner charges a cold segment it scatters to another peer, beyond its prefill and "
-                   "the read (the cluster spec's scatter_dispatch_s).")
-@click.option("--shared-cores/--no-shared-cores", default=CompareOptions.shared_cores, show_default=True,
-              help="Whether the planner knows that the peers share this machine's cores (the cluster spec's "
-                   "shared_cores; off: it plans as if each peer had processors of its own, Algorithm 1).")
-@click.option("--observe-transfer-costs/--fixed-transfer-costs", default=CompareOptions.observe_transfer_costs,
-              show_default=True,
-              help="Whether the planner's read latency and scatter dispatch follow what the peers measure reads and "
-                   "scatters take (the cluster spec's observe_transfer_costs; fixed: the two values above).")
-@click.option("--log-level", type=click.Choice(("debug", "info", "warning", "error")),
-              default=CompareOptions.log_level, show_default=True,
-              help="The peers' log level (debug: per combine, how long its remote KV took).")
-@click.option("--data", "data_dir", type=click.Path(file_okay=False, path_type=Path), default=None)
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("bench_results"),
-              show_default=True)
-@click.option("--write-docs", is_flag=True,
-              help=f"Also write the results page {DOCS_RESULTS}/main-job.md (and its plot) under the working "
-                   "directory.")
-def compare_command(model, download, data_dir, out_dir, write_docs, **options) -> None:
-    """Start a local cluster per policy (pc, local-pic, nebula), replay a workload slice, print the comparison."""
-    options["policies"] = tuple(dict.fromkeys(options["policies"])) or CompareOptions.policies
-    opts = CompareOptions(**options)
-    model = str(bench_model_dir()) if model == "bench-qwen3" else _resolved(model, download)
-    threads = f", {opts.threads_per_peer} thread(s) each" if opts.threads_per_peer else ""
-    click.echo(f"replaying {opts.num_requests} {opts.trace} requests at {opts.qps:g} req/s on "
-               f"{opts.prefill_workers} prefill + {opts.decode_workers} decode peers{threads}, "
-               f"{opts.kv_tokens_per_peer:,} KV tokens per peer, model {Path(model).name}; per policy:", err=True)
-    started = time.monotonic()
-    rows = compare(model, opts, out_dir, data_dir)
-    document = json.loads((out_dir / "compare.json").read_text())
-    click.echo(format_table(rows, document["hit_ratio_bound"]))
-    if write_docs:
-        click.echo(f"wrote {write_page(main_job_page(document, out_dir / 'compare.png'))}")
-    click.echo(f"wrote {out_dir / 'compare.json'} and {out_dir / 'compare.png'}; peer logs in {out_dir / 'logs'} "
-               f"({time.monotonic() - started:.0f} s in all)")
-
-
-def _resolved(model: str, download: bool) -> str:
-    from nebula_engine.config import resolve_model
-
-    try:
-        path = resolve_model(model, download=download)
-    except (FileNotFoundError, RuntimeError) as error:  # not downloaded, or the download failed
-        raise click.UsageError(str(error)) from error
-    return str(Path(path).resolve()) if Path(path).exists() else path

@@ -6,6 +6,6 @@ outputs -> bodies and stream events (``logprobs`` OpenAI's logprob shapes, ``too
 output per model family, ``tool_streaming`` their stream deltas); ``tokenize`` vLLM's ``/tokenize`` and
 ``/detokenize``; ``metrics`` the Prometheus
 registry; ``engine_client`` the interface a local engine or the cluster front end implements; ``guards``
-the API key and request-size checks in front of it (``limits`` their constants); ``commands`` the ``serve``
-command.
+the API key and request-size checks in front of it (``limits`` their constants). ``nebula-engine serve`` is
+``cli/serve.py``.
 """

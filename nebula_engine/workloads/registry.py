@@ -10,13 +10,14 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from nebula_engine.data import bundled_dir
 from nebula_engine.workloads.request import Request
 from nebula_engine.workloads.segments import LoadOptions, Tokenizer
 from nebula_engine.workloads.tokenizers import ESTIMATE, named_tokenizer
 
 TRACES_ENV = "NEBULA_TRACES"
 DEFAULT_TRACES_DIR = Path("../shared/traces")
-BUNDLED_DIR = Path(__file__).resolve().parent.parent / "data"
+BUNDLED_DIR = bundled_dir()  # nebula_engine/data, one folder per bundled trace slice
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from nebula_engine.bench.cluster_compare import compare_command
+from nebula_engine.cli.compare import compare
 from nebula_engine.cluster.control.policy_names import POLICY_NAMES as POLICIES
 from nebula_engine.cluster.runtime.transfer import nixl_available
 from tests.model_cases import CASES_BY_NAME, checkpoint_factory  # noqa: F401  (fixture)
@@ -28,7 +28,7 @@ def test_a_reduced_compare_runs_every_policy_and_writes_its_json_and_png(checkpo
     model = checkpoint_factory(CASES_BY_NAME["qwen3_gqa2_hd20"])
     out = tmp_path / "results"
     monkeypatch.chdir(tmp_path)  # --write-docs writes docs/results/ under the working directory
-    result = CliRunner().invoke(compare_command, [
+    result = CliRunner().invoke(compare, [
         "--model", str(model), "--num-requests", "8", "--qps", "8", "--prefill-workers", "2",
         "--decode-workers", "0", "--threads-per-peer", "1", "--num-pages", "256", "--page-size", "4",
         "--max-prompt-tokens", "160", "--max-tokens", "2", "--out", str(out), "--write-docs"])
@@ -63,12 +63,6 @@ def test_a_reduced_compare_runs_every_policy_and_writes_its_json_and_png(checkpo
     for policy in POLICIES:
         assert f"| {policy} | {rows[policy]['ttft_p50_s']:.3f} | " in page
     assert (tmp_path / "docs" / "results" / "main-job.png").read_bytes() == (out / "compare.png").read_bytes()
-
-
-def test_an_unknown_policy_is_a_usage_error_before_any_cluster_starts(tmp_path):
-    result = CliRunner().invoke(compare_command, ["--policy", "fastest", "--out", str(tmp_path)])
-    assert result.exit_code == 2 and "fastest" in result.output and "nebula" in result.output
-    assert not (tmp_path / "logs").exists()
 
 
 def test_the_table_compares_with_the_first_policy_when_pc_did_not_run():

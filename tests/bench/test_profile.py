@@ -6,8 +6,8 @@ import pytest
 from click.testing import CliRunner
 
 from nebula_engine.bench.profile import combine_costs, fit_link, fit_prefill
-from nebula_engine.bench.profile_command import profile
-from nebula_engine.cluster.sim.commands import simulate
+from nebula_engine.cli.profile import profile
+from nebula_engine.cli.simulate import simulate
 from nebula_engine.cluster.control.config import ClusterProfile
 from nebula_engine.workloads.registry import BUNDLED_DIR
 from tests.model_cases import CASES_BY_NAME, checkpoint_factory  # noqa: F401  (fixture)

@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 from click.testing import CliRunner
 
-from nebula_engine.bench.commands import bench
+from nebula_engine.cli.bench import bench
 from nebula_engine.bench.replay import (
     BenchError, PromptBuilder, ReplayOptions, ReplayResult, RequestRecord, poisson_offsets, replay,
 )

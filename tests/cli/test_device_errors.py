@@ -6,9 +6,9 @@ from click.testing import CliRunner
 
 from nebula_engine.config import EngineConfig
 from nebula_engine.devices import DeviceError, check_device
-from nebula_engine.engine.commands import generate
-from nebula_engine.engine.prefill_command import prefill
-from nebula_engine.server.commands import serve
+from nebula_engine.cli.generate import generate
+from nebula_engine.cli.prefill import prefill
+from nebula_engine.cli.serve import serve
 
 CPU_ONLY_TORCH = not torch.backends.cuda.is_built()
 

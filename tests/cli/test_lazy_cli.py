@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import click
 import pytest
@@ -11,6 +12,7 @@ from click.testing import CliRunner
 from nebula_engine.cli import COMMANDS, load_command, main
 from nebula_engine.extras import MissingExtra, missing_extra, require_extra
 
+PACKAGE = Path(__file__).resolve().parents[2] / "nebula_engine"
 HEAVY = ("torch", "transformers", "numpy", "fastapi", "uvicorn", "nebula_engine.cluster", "nebula_engine.engine.llm",
          "nebula_engine.server", "nebula_engine.bench", "nebula_engine.model")
 
@@ -47,7 +49,19 @@ def test_each_listed_summary_is_the_first_sentence_of_the_commands_help(name):
     assert command.name == name
     help_text = " ".join(command.help.split())
     first_sentence = help_text.split(". ")[0].rstrip(".") + "."
-    assert COMMANDS[name][1] == first_sentence
+    assert COMMANDS[name] == first_sentence
+
+
+def test_each_command_is_the_cli_module_of_its_name():
+    modules = {path.stem for path in (PACKAGE / "cli").glob("*.py")} - {"__init__", "group", "options"}
+    assert modules == set(COMMANDS)
+
+
+def test_no_module_outside_the_cli_package_defines_a_command():
+    defining = [path.relative_to(PACKAGE).as_posix() for path in PACKAGE.rglob("*.py")
+                if "cli" not in path.relative_to(PACKAGE).parts[:1]
+                and ("@click.command" in path.read_text() or "@click.group" in path.read_text())]
+    assert defining == []
 
 
 def test_a_subcommand_runs_through_the_lazy_group():
@@ -107,8 +121,8 @@ def test_the_group_turns_a_missing_extra_during_a_run_into_a_click_error(monkeyp
     def boom():
         raise ModuleNotFoundError("No module named 'gguf'", name="gguf")
 
-    monkeypatch.setitem(COMMANDS, "boom", ("x:y", "Boom."))
-    monkeypatch.setattr("nebula_engine.cli.load_command", lambda name: boom)
+    monkeypatch.setitem(COMMANDS, "boom", "Boom.")
+    monkeypatch.setattr("nebula_engine.cli.group.load_command", lambda name: boom)
     result = CliRunner().invoke(main, ["boom"])
     assert result.exit_code == 1
     assert result.output.strip() == "Error: gguf is not installed: pip install 'nebula-engine[gguf]'"

@@ -7,7 +7,7 @@ from click.testing import CliRunner
 
 from nebula_engine.cluster.runtime.spec import ClusterSpec, PeerSpec
 from nebula_engine.ports import PortUnavailable, check_listen
-from nebula_engine.server.commands import serve
+from nebula_engine.cli.serve import serve
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from nebula_engine.cluster.runtime.spec import ClusterSpec, PeerSettings, PeerSpec, check_secured
-from nebula_engine.server.commands import serve
+from nebula_engine.cli.serve import serve
 
 
 def spec_file(tmp_path, host: str):

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from nebula_engine import LLM, SamplingParams
 from nebula_engine.engine.offline_prefill import MANIFEST_FILE, OfflinePrefill, build_prefill_engine
-from nebula_engine.engine.prefill_command import prefill
+from nebula_engine.cli.prefill import prefill
 from tests.model_cases import CASES_BY_NAME, checkpoint_factory  # noqa: F401  (fixture)
 
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)

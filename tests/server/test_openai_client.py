@@ -37,7 +37,7 @@ def server_url(qwen3_dir, tmp_path_factory):
     """``nebula-engine serve`` (the click command) as a subprocess, stopped by pid at the end."""
     port = free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    command = [sys.executable, "-c", "from nebula_engine.server.commands import serve; serve()",
+    command = [sys.executable, "-c", "from nebula_engine.cli.serve import serve; serve()",
                "--model", str(qwen3_dir), "--served-model-name", MODEL_NAME, "--port", str(port),
                "--page-size", "8", "--num-pages", "256", "--max-num-batched-tokens", "64", "--log-level", "warning",
                "--max-request-bytes", str(MAX_REQUEST_BYTES)]

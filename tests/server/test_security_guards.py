@@ -14,7 +14,7 @@ import uvicorn
 
 from nebula_engine.engine.async_engine import AsyncLLMEngine
 from nebula_engine.server.api import build_app
-from nebula_engine.server.commands import _warn_if_unguarded
+from nebula_engine.cli.serve import _warn_if_unguarded
 from nebula_engine.server.guards import header_timeout_protocol
 from nebula_engine.server.limits import ClientLimits
 from tests.server.conftest import MODEL_NAME, ThreadedServer

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from nebula_engine.cluster.runtime.launcher import (UCX_PORT_RANGE_ENV, LocalCluster, PortRange, free_ports,
                                                     local_spec, with_new_ports)
-from nebula_engine.server.commands import serve
+from nebula_engine.cli.serve import serve
 
 
 def a_free_range(width: int) -> PortRange:

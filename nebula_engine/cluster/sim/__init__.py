@@ -2,5 +2,5 @@
 
 ``simulator`` replays a workload trace; ``worker_cache`` models each worker's tiered KV cache,
 ``hardware`` its processors and links, ``report`` the latency and hit-rate summary; ``loads`` expresses
-arrival rates against a simulated cluster's capacity; ``commands`` is the ``nebula simulate`` CLI.
+arrival rates against a simulated cluster's capacity. ``nebula-engine simulate`` is ``cli/simulate.py``.
 """

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from nebula_engine.cli_types import DEVICE
+from nebula_engine.cli.options import DEVICE, DTYPE, check_local_model
 
 
 @click.command()
@@ -27,7 +27,7 @@ from nebula_engine.cli_types import DEVICE
 @click.option("--page-size", type=click.IntRange(min=1), default=16, show_default=True, help="Tokens per KV page.")
 @click.option("--num-pages", type=click.IntRange(min=1), help="KV pool size (default: from a 1 GiB budget).")
 @click.option("--max-model-len", type=click.IntRange(min=2), help="Longer documents are reported and skipped.")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
+@click.option("--dtype", type=DTYPE, default="float32", show_default=True)
 @click.option("--device", type=DEVICE, default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Stop after this many non-blank lines.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True,
@@ -38,7 +38,6 @@ def prefill(model, input_path, disk_cache_path, pic_backend, disk_cache_tokens, 
     already there, so rerunning resumes."""
     from tqdm import tqdm
 
-    from nebula_engine.cli_types import check_local_model
     from nebula_engine.engine.offline_prefill import UNLIMITED_DISK_TOKENS, OfflinePrefill, build_prefill_engine
 
     if not input_path.is_file():

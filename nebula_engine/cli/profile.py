@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from nebula_engine.cli_types import DEVICE
+from nebula_engine.cli.options import DEVICE, DTYPE
 
 
 @click.command("profile")
@@ -15,7 +15,7 @@ from nebula_engine.cli_types import DEVICE
 @click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=Path("profile.json"),
               show_default=True)
 @click.option("--device", type=DEVICE, default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
+@click.option("--dtype", type=DTYPE, default="float32", show_default=True)
 @click.option("--page-size", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--num-pages", type=click.IntRange(min=64), default=2048, show_default=True,
               help="Device pool per worker (sets the profile's cache capacity) [default: compare's].")

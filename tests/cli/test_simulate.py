@@ -3,7 +3,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from nebula_engine.cluster.sim.commands import simulate
+from nebula_engine.cli.simulate import simulate
 from nebula_engine.workloads.registry import BUNDLED_DIR
 
 

@@ -1,6 +1,6 @@
 from click.testing import CliRunner
 
-from nebula_engine.engine.commands import generate
+from nebula_engine.cli.generate import generate
 
 
 def test_generate_runs_on_given_model_and_prints_outputs_and_throughput(qwen3_dir):

@@ -4,7 +4,7 @@ fetches it before starting anything (one engine or a local cluster)."""
 import pytest
 from click.testing import CliRunner
 
-from nebula_engine.server.commands import serve
+from nebula_engine.cli.serve import serve
 
 
 @pytest.mark.parametrize("args", [[], ["--prefill-workers", "1"]], ids=["one-engine", "local-cluster"])

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from nebula_engine.cli_types import DEVICE
+from nebula_engine.cli.options import DEVICE, DTYPE, check_local_model
 from nebula_engine.cluster.control.policy_names import POLICY_NAMES
 from nebula_engine.engine.sampling_params import MAX_LOGPROBS
 from nebula_engine.server.limits import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S, DEFAULT_KEEP_ALIVE_TIMEOUT_S,
@@ -25,7 +25,7 @@ from nebula_engine.server.tool_parsers import TOOL_PARSERS
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option("--pic-backend", help="PIC backend spec for <pic> segments of requests that name none, e.g. "
                                     "'epic' or 'cacheblend:ratio=0.3'; 'none': PIC off (default: auto).")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
+@click.option("--dtype", type=DTYPE, default="float32", show_default=True)
 @click.option("--device", type=DEVICE, default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--attention-backend", default="auto", show_default=True,
               help="torch | flashinfer | auto (flashinfer on CUDA when installed).")
@@ -195,7 +195,6 @@ def _peer_settings(api_key, max_request_bytes, cluster_secret, cluster_secret_fi
 def _start_engine(model: str | None, engine_options: dict):
     from nebula_engine.config import DEFAULT_MODEL, EngineConfig
     from nebula_engine.engine.async_engine import AsyncLLMEngine
-    from nebula_engine.cli_types import check_local_model
 
     check_local_model(model)
     options = {k: v for k, v in engine_options.items() if v is not None}

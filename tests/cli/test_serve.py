@@ -2,7 +2,7 @@
 
 from click.testing import CliRunner
 
-from nebula_engine.server.commands import serve
+from nebula_engine.cli.serve import serve
 
 
 def test_an_empty_api_key_is_an_error_not_an_open_server():
@@ -12,7 +12,7 @@ def test_an_empty_api_key_is_an_error_not_an_open_server():
 
 def test_a_cluster_hands_its_security_flags_to_every_peer():
     from nebula_engine.cluster.runtime.launcher import LocalCluster, local_spec
-    from nebula_engine.server.commands import _peer_settings
+    from nebula_engine.cli.serve import _peer_settings
 
     settings = _peer_settings("k", 1234, None, None, 3.0, 10.0, None, None, None, None)
     assert settings.api_key == "k" and settings.max_request_bytes == 1234

@@ -3,7 +3,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from nebula_engine.workloads.commands import analyze
+from nebula_engine.cli.analyze import analyze
 
 
 @pytest.fixture

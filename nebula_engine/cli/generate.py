@@ -6,7 +6,7 @@ import time
 
 import click
 
-from nebula_engine.cli_types import DEVICE, check_local_model
+from nebula_engine.cli.options import DEVICE, DTYPE, check_local_model
 
 DEFAULT_PROMPTS = (
     "The capital of France is",
@@ -27,7 +27,7 @@ DEFAULT_PROMPTS = (
 @click.option("--top-p", type=click.FloatRange(0.0, 1.0, min_open=True), default=1.0, show_default=True)
 @click.option("--top-k", type=click.IntRange(min=-1), default=0, show_default=True, help="0 or -1: no limit.")
 @click.option("--seed", type=int, default=None, help="Per-request sampling seed.")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
+@click.option("--dtype", type=DTYPE, default="float32", show_default=True)
 @click.option("--device", type=DEVICE, default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--chat", is_flag=True, help="Send each prompt as a user message through the chat template.")
 def generate(model, download, prompts, max_tokens, temperature, top_p, top_k, seed, dtype, device, chat):

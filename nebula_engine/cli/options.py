@@ -1,4 +1,4 @@
-"""Click parameter types shared by the commands."""
+"""Click parameter types and checks shared by the commands."""
 
 from __future__ import annotations
 
@@ -7,6 +7,9 @@ from pathlib import Path
 import click
 
 from nebula_engine.devices import DeviceError, check_device
+
+# the torch dtypes the engine runs its weights and KV in
+DTYPE = click.Choice(["float32", "bfloat16", "float16"])
 
 
 class DeviceType(click.ParamType):
