@@ -30,7 +30,7 @@ from nebula_engine.server.inputs import OutputSettings, chat_input, warn_ignored
 from nebula_engine.server.metrics import ServerMetrics
 from nebula_engine.server.protocol import ChatCompletionRequest, JSONObject, Text, TokenCount, _Strict
 from nebula_engine.server.responses import TextDeltas, cached_tokens
-from nebula_engine.server.tool_streaming import ToolCallDeltas
+from nebula_engine.server.tool_streaming import CallDelta, ToolCallDeltas
 
 DEFAULT_MAX_STORED = 1024  # responses kept for previous_response_id: each a conversation's text, KBs each
 
@@ -48,6 +48,9 @@ class NamedFunction(_Strict):
     name: Text
 
 
+UNSERVED_INCLUDE = "message.output_text.logprobs"
+
+
 class ResponsesRequest(_Strict):
     model: Text
     input: Union[Text, list[JSONObject]]
@@ -63,6 +66,9 @@ class ResponsesRequest(_Strict):
     previous_response_id: Optional[Text] = None
     metadata: Optional[dict[str, Text]] = None
     user: Optional[Text] = None
+    # extra output parts (OpenAI's includables; the Agents SDK always sends the list): those of reasoning, search,
+    # image and code tools have nothing to add here; output-text logprobs are refused (``_chat_request``)
+    include: Optional[list[Text]] = None
     pic_backend: Optional[Text] = None  # as in chat: absent, the engine's default; null, PIC off
 
 
@@ -134,6 +140,9 @@ def _item_message(index: int, item: dict[str, Any], messages: list[dict[str, Any
 
 
 def _chat_request(request: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
+    if UNSERVED_INCLUDE in (request.include or ()):
+        raise APIError(f"include {UNSERVED_INCLUDE!r} is not supported: responses carry no logprobs here (the chat "
+                       f"completions route does)", param="include")
     body: dict[str, Any] = {"model": request.model, "messages": messages, "temperature": request.temperature,
                             "top_p": request.top_p, "parallel_tool_calls": request.parallel_tool_calls}
     if request.max_output_tokens is not None:
@@ -323,6 +332,7 @@ class _EventStream:
         self._sent_text = ""
         self._message_open = False
         self._items: list[dict[str, Any]] = []  # output items done, in order
+        self._call_name, self._call_arguments = "", ""  # the function call being streamed
 
     def event(self, kind: str, payload: dict[str, Any]) -> str:
         body = {"type": kind, "sequence_number": self._number, **payload}
@@ -345,9 +355,10 @@ class _EventStream:
         events = self._text_events(content) if content else []
         if calls or finished:
             events += self._close_message()
-        first = self._tools.num_calls - len(calls) if calls else 0
-        for number, call in enumerate(calls, first):
-            events += self._call_events(number, call.name, call.arguments)
+        for call in calls:
+            events += self._call_events(call)
+        if finished and self._call_name:  # cut by max_output_tokens while writing a call
+            events += self._close_call(self._tools.num_calls - 1, "incomplete")
         return events
 
     def _text_events(self, delta: str) -> list[str]:
@@ -377,19 +388,28 @@ class _EventStream:
         self._items.append(item)
         return events
 
-    def _call_events(self, number: int, name: str, arguments: str) -> list[str]:
+    def _call_events(self, call: CallDelta) -> list[str]:
+        """A call's item opens with its first delta, its arguments stream, and it closes once whole."""
+        index, events = len(self._items), []
+        if call.name is not None:
+            self._call_name, self._call_arguments = call.name, ""
+            item = self.response.call_item(call.number, call.name, "", "in_progress")
+            events.append(self.event("response.output_item.added", {"output_index": index, "item": item}))
+        if call.arguments:
+            self._call_arguments += call.arguments
+            item_id = self.response.call_ids(call.number)[0]
+            events.append(self.event("response.function_call_arguments.delta", {
+                "item_id": item_id, "output_index": index, "delta": call.arguments}))
+        return events + (self._close_call(call.number, "completed") if call.complete else [])
+
+    def _close_call(self, number: int, status: str) -> list[str]:
         index = len(self._items)
-        item = self.response.call_item(number, name, arguments)
-        events = [self.event("response.output_item.added", {"output_index": index,
-                                                            "item": {**item, "arguments": "",
-                                                                     "status": "in_progress"}}),
-                  self.event("response.function_call_arguments.delta", {"item_id": item["id"], "output_index": index,
-                                                                        "delta": arguments}),
-                  self.event("response.function_call_arguments.done", {"item_id": item["id"], "output_index": index,
-                                                                       "arguments": arguments}),
-                  self.event("response.output_item.done", {"output_index": index, "item": item})]
+        item = self.response.call_item(number, self._call_name, self._call_arguments, status)
         self._items.append(item)
-        return events
+        self._call_name, self._call_arguments = "", ""
+        return [self.event("response.function_call_arguments.done", {"item_id": item["id"], "output_index": index,
+                                                                     "arguments": item["arguments"]}),
+                self.event("response.output_item.done", {"output_index": index, "item": item})]
 
     def closing(self, body: dict[str, Any]) -> list[str]:
         kind = "response.completed" if body["status"] == "completed" else "response.incomplete"

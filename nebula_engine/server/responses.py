@@ -5,7 +5,8 @@ numbers them. Engine outputs are cumulative; streams send deltas. While a comple
 string, the last ``len(longest stop) - 1`` characters are held back: the engine truncates the text before a stop
 string once it completes, so sending them early could emit text the final answer does not contain. With a tool
 parser, chat content is split into content and ``tool_calls`` (``tool_parsers``), streamed as OpenAI streams
-them: per call a chunk with its ``index``, ``id``, ``type`` and name (empty arguments), then its arguments. An output
+them: per call a chunk with its ``index``, ``id``, ``type`` and name (empty arguments), then chunks with pieces of
+its arguments as they are generated (``tool_streaming``). An output
 cut by ``max_tokens`` inside tool-call markup ends with ``finish_reason: length``: the unfinished call is dropped,
 never sent as content.
 
@@ -27,8 +28,8 @@ from nebula_engine.server.logprobs import (TokenText, chat_logprobs, completion_
 from nebula_engine.server.protocol import (ChatChoice, ChatCompletionResponse, ChatLogprobs, ChatMessageOut,
                                            CompletionChoice, CompletionResponse, NebulaUsage, PromptTokensDetails,
                                            ToolCallOut, Usage)
-from nebula_engine.server.tool_parsers import ParsedCall, ToolParser
-from nebula_engine.server.tool_streaming import ToolCallDeltas
+from nebula_engine.server.tool_parsers import ToolParser
+from nebula_engine.server.tool_streaming import CallDelta, ToolCallDeltas
 
 DONE_EVENT = "data: [DONE]\n\n"
 
@@ -290,7 +291,7 @@ class ChatCompletionStream(CompletionStream):
 
     def _choice_events(self, index: int, state: _ChoiceState, completion: CompletionOutput) -> list[str]:
         finished = completion.finish_reason is not None
-        calls: list[ParsedCall] = []
+        calls: list[CallDelta] = []
         if state.tools is None:
             content = state.text.next(completion.text, finished)
         else:
@@ -304,18 +305,22 @@ class ChatCompletionStream(CompletionStream):
         if content or logprobs is not None or (finished and not calls):
             events.append(self._choice(index, {"content": content} if content else {}, logprobs,
                                        None if calls else reason, completion.stop_reason))
-        first_number = state.tools.num_calls - len(calls) if calls else 0
-        for number, call in enumerate(calls, first_number):
-            events += self._call_events(index, number, call)
+        for call in calls:
+            events += self._call_events(index, call)
         if finished and calls:
             events.append(self._choice(index, {}, None, reason, completion.stop_reason))
         return events
 
-    def _call_events(self, index: int, number: int, call: ParsedCall) -> list[str]:
-        opening = {"index": number, "id": self._form.tool_parser.new_call_id(), "type": "function",
-                   "function": {"name": call.name, "arguments": ""}}
-        arguments = {"index": number, "function": {"arguments": call.arguments}}
-        return [self._choice(index, {"tool_calls": [opening]}), self._choice(index, {"tool_calls": [arguments]})]
+    def _call_events(self, index: int, call: CallDelta) -> list[str]:
+        events = []
+        if call.name is not None:
+            events.append(self._choice(index, {"tool_calls": [{
+                "index": call.number, "id": self._form.tool_parser.new_call_id(), "type": "function",
+                "function": {"name": call.name, "arguments": ""}}]}))
+        if call.arguments:
+            events.append(self._choice(index, {"tool_calls": [{"index": call.number,
+                                                               "function": {"arguments": call.arguments}}]}))
+        return events
 
     def _choice(self, index: int, delta: dict[str, Any], logprobs: Any = None, finish_reason: str | None = None,
                 stop_reason: int | str | None = None) -> str:

@@ -9,8 +9,9 @@
 The HTTP API sees only the tokenizer (of a local engine or of a cluster), so the family is recognised by what
 its chat template writes (``parser_for_template``); ``nebula-engine serve --tool-call-parser`` names one
 explicitly, as vLLM's flag does. Text before the first call is content; arguments are re-serialised with
-``json.dumps`` (as vLLM does), so a streamed call and a whole one carry the same string. A call whose JSON does not
-parse ends the calls: if none parsed, the whole output is content.
+``json.dumps`` (as vLLM does). A call whose JSON does not parse ends the calls: if none parsed, the whole output
+is content. ``partial_calls`` reads the calls as far as they are written, for streams that send arguments as they
+are generated (``tool_streaming``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from nebula_engine.server.partial_json import fixed_prefix
+
 _DECODER = json.JSONDecoder()
 
 
@@ -29,6 +32,15 @@ _DECODER = json.JSONDecoder()
 class ParsedCall:
     name: str
     arguments: str  # a JSON object, as text
+
+
+@dataclass(frozen=True)
+class PartialCall:
+    """A call as far as the model has written it."""
+
+    name: str | None  # once written whole
+    arguments: str  # the raw text of its arguments so far ("" until they begin)
+    end: int | None = None  # where its JSON object ends in the text it was read from, once whole
 
 
 @dataclass(frozen=True)
@@ -64,6 +76,11 @@ class ToolParser(ABC):
         """The calls complete in ``markup`` (which starts at ``calls_start``), in order; ``finished``: the output
         ended, so an unterminated last call counts if its JSON is whole."""
 
+    @abstractmethod
+    def partial_calls(self, markup: str) -> list[PartialCall]:
+        """Every call begun in ``markup`` (which starts at ``calls_start``), in order, the last one possibly
+        unfinished."""
+
     def parse(self, text: str, truncated: bool = False) -> ParsedOutput:
         """A finished output -> content and calls. ``truncated``: it was cut (``max_tokens``), so markup that began
         is an unfinished call: dropped (the complete calls before it kept), never returned as content."""
@@ -92,6 +109,52 @@ def _decode_json(text: str, at: int) -> tuple[Any, int] | None:
         return _DECODER.raw_decode(text, at)
     except json.JSONDecodeError:
         return None
+
+
+def _partial_object(text: str, at: int, arguments_key: str) -> PartialCall | None:
+    """The call object opening at ``text[at:]`` (spaces skipped) as far as it is written; None if none opens there."""
+    i = _skip_spaces(text, at)
+    if not text.startswith("{", i):
+        return None
+    name, arguments = None, ""
+    i += 1
+    while True:
+        i = _skip_spaces(text, i)
+        if text.startswith("}", i):
+            return PartialCall(name, arguments, i + 1)
+        if text.startswith(",", i):
+            i += 1
+            continue
+        key = fixed_prefix(text, i)
+        colon = _skip_spaces(text, key.end) if key.end is not None and text.startswith('"', i) else len(text)
+        if not text.startswith(":", colon):
+            return PartialCall(name, arguments, None)
+        key_name, value_at = json.loads(text[i:key.end]), _skip_spaces(text, colon + 1)
+        value = fixed_prefix(text, value_at)
+        if key_name in (arguments_key, "arguments"):
+            arguments = text[value_at:value.end]
+        if value.end is None:
+            return PartialCall(name, arguments, None)
+        if key_name == "name":
+            written = json.loads(text[value_at:value.end])
+            name = written if isinstance(written, str) else None
+        i = value.end
+
+
+def _partial_sequence(text: str, at: int, arguments_key: str, separator: str) -> list[PartialCall]:
+    """``_partial_object`` of each call in ``text[at:]``, the calls separated by ``separator`` ("": whitespace)."""
+    calls = []
+    while (call := _partial_object(text, at, arguments_key)) is not None:
+        calls.append(call)
+        rest = "" if call.end is None else text[call.end:].lstrip()
+        if not rest.startswith(separator) or not rest:
+            return calls
+        at = len(text) - len(rest) + len(separator)
+    return calls
+
+
+def _skip_spaces(text: str, i: int) -> int:
+    return len(text) - len(text[i:].lstrip()) if i < len(text) else i
 
 
 def _json_calls(text: str, at: int, arguments_key: str, separator: str,
@@ -143,6 +206,17 @@ class HermesToolParser(ToolParser):
             return _json_calls(markup, 0, "arguments", "", require_arguments=True)
         return self._block_calls(markup, finished)
 
+    def partial_calls(self, markup: str) -> list[PartialCall]:
+        if markup.lstrip().startswith(self._BARE):
+            return _partial_sequence(markup, 0, "arguments", "")
+        calls = []
+        for body in markup.split("<tool_call>")[1:]:
+            call = _partial_object(body, 0, "arguments")
+            if call is None:
+                break
+            calls.append(call)
+        return calls
+
     def _block_calls(self, markup: str, finished: bool) -> list[ParsedCall]:
         bodies = [m.group(1) for m in self._BLOCK.finditer(markup)]
         tail = markup[markup.rfind("</tool_call>") + len("</tool_call>"):] if bodies else markup
@@ -176,6 +250,16 @@ class MistralToolParser(ToolParser):
             return _json_calls(body, body.index("[") + 1, "arguments", ",")
         return self._named_calls(markup)
 
+    def partial_calls(self, markup: str) -> list[PartialCall]:
+        body = markup[len("[TOOL_CALLS]"):]
+        if body.lstrip().startswith("["):
+            return _partial_sequence(body, body.index("[") + 1, "arguments", ",")
+        calls = []
+        for piece in markup.split("[TOOL_CALLS]")[1:]:
+            name, sep, arguments = piece.partition(self._ARGS)
+            calls.append(PartialCall(name.strip() or None if sep else None, arguments))
+        return calls
+
     def _named_calls(self, markup: str) -> list[ParsedCall]:
         calls = []
         for piece in markup.split("[TOOL_CALLS]")[1:]:
@@ -206,6 +290,9 @@ class Llama3JsonToolParser(ToolParser):
     def calls(self, markup: str, finished: bool) -> list[ParsedCall]:
         return _json_calls(markup.removeprefix("<|python_tag|>"), 0, "parameters", ";")
 
+    def partial_calls(self, markup: str) -> list[PartialCall]:
+        return _partial_sequence(markup.removeprefix("<|python_tag|>"), 0, "parameters", ";")
+
 
 class NamedToolOutput(ToolParser):
     """``tool_choice`` naming a function: the output is constrained to that function's arguments object."""
@@ -225,6 +312,9 @@ class NamedToolOutput(ToolParser):
             return []
         return [ParsedCall(self.function_name, json.dumps(decoded[0], ensure_ascii=False))]
 
+    def partial_calls(self, markup: str) -> list[PartialCall]:
+        return [PartialCall(self.function_name, markup)]
+
 
 class RequiredToolsOutput(ToolParser):
     """``tool_choice: required``: the output is constrained to a JSON array of ``{"name", "parameters"}``
@@ -241,6 +331,12 @@ class RequiredToolsOutput(ToolParser):
         if not stripped.startswith("["):
             return []
         return _json_calls(markup, len(markup) - len(stripped) + 1, "parameters", ",")
+
+    def partial_calls(self, markup: str) -> list[PartialCall]:
+        stripped = markup.lstrip()
+        if not stripped.startswith("["):
+            return []
+        return _partial_sequence(markup, len(markup) - len(stripped) + 1, "parameters", ",")
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {

@@ -88,6 +88,30 @@ def test_function_tools_and_their_outputs(client):
     assert follow_up.usage.input_tokens == chat.usage.prompt_tokens
 
 
+def test_a_streamed_function_call_sends_its_arguments_as_they_are_generated(client):
+    kwargs = dict(model=MODEL_NAME, input="Weather in Paris?", tools=[WEATHER], max_output_tokens=40, temperature=0,
+                  tool_choice={"type": "function", "name": "get_weather"})
+    [whole] = [item for item in client.responses.create(**kwargs).output if item.type == "function_call"]
+    events = list(client.responses.create(stream=True, **kwargs))
+    added = [e.item for e in events if e.type == "response.output_item.added" and e.item.type == "function_call"]
+    pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    [done] = [e.arguments for e in events if e.type == "response.function_call_arguments.done"]
+    assert [(a.name, a.arguments, a.status) for a in added] == [("get_weather", "", "in_progress")]
+    assert "".join(pieces) == done == whole.arguments and len(pieces) > 3
+    [final] = [item for item in events[-1].response.output if item.type == "function_call"]
+    assert final.arguments == whole.arguments and final.call_id == added[0].call_id
+
+
+def test_the_agents_sdk_include_list_is_a_known_field(client, caplog):
+    """The OpenAI Agents SDK sends ``include`` on every request (empty unless it wants extra output parts)."""
+    response = client.responses.create(model=MODEL_NAME, input="Hi", max_output_tokens=2, include=[],
+                                       tools=[WEATHER], tool_choice="none")
+    assert response.status in ("completed", "incomplete")
+    assert not [r for r in caplog.records if "ignored" in r.getMessage()]
+    with pytest.raises(openai.BadRequestError, match="message.output_text.logprobs"):
+        client.responses.create(model=MODEL_NAME, input="Hi", include=["message.output_text.logprobs"])
+
+
 def test_bad_responses_requests_are_400s_naming_the_field(client):
     with pytest.raises(openai.BadRequestError, match="max_output_tokens"):
         client.responses.create(model=MODEL_NAME, input="Hi", max_output_tokens=0)

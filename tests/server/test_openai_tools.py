@@ -116,6 +116,25 @@ def test_auto_tool_calls_stream_as_openai_streams_them(client):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
 
 
+def test_tool_call_arguments_stream_as_they_are_generated(client):
+    """The ``openai`` client's own stream accumulation (``chat.completions.stream``) rebuilds the whole call from
+    argument pieces that arrive token by token."""
+    kwargs = dict(tools=[WEATHER_TOOL], max_tokens=60, extra_body={"structured_outputs": {"regex": CALL_TEXT}})
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    whole = chat(client, messages, **kwargs).choices[0].message.tool_calls[0]
+    pieces = []
+    with client.chat.completions.stream(model=MODEL_NAME, messages=messages, temperature=0, **kwargs) as stream:
+        for event in stream:
+            if event.type == "tool_calls.function.arguments.delta":
+                pieces.append(event.arguments_delta)
+        final = stream.get_final_completion().choices[0]
+    [call] = final.message.tool_calls
+    assert (call.function.name, call.function.arguments) == (whole.function.name, whole.function.arguments)
+    assert "".join(pieces) == whole.function.arguments and len(pieces) > 3  # {"city": "Paris"}: several tokens
+    assert call.function.parsed_arguments is None and json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+    assert final.finish_reason == "tool_calls"
+
+
 def test_a_named_tool_choice_gets_schema_valid_arguments(client):
     choice = {"type": "function", "function": {"name": "get_time"}}
     reply = chat(client, [{"role": "user", "content": "Time?"}], tools=[WEATHER_TOOL, TIME_TOOL],

@@ -10,7 +10,7 @@ import pytest
 from nebula_engine.server.tool_parsers import (HermesToolParser, Llama3JsonToolParser, MistralToolParser,
                                                NamedToolOutput, ParsedCall, RequiredToolsOutput,
                                                parser_for_template, tool_parser)
-from nebula_engine.server.tool_streaming import ToolCallDeltas
+from nebula_engine.server.tool_streaming import CallDelta, ToolCallDeltas
 from tests.server.tool_template import QWEN_TOOL_TEMPLATE
 
 WEATHER = ParsedCall("get_weather", json.dumps({"city": "Paris", "unit": "celsius"}))
@@ -45,18 +45,54 @@ def test_each_family_format_parses_into_calls(parser, text, content, calls):
     assert all(json.loads(call.arguments) for call in parsed.calls)
 
 
+def accumulated(deltas: list[CallDelta]) -> list[ParsedCall]:
+    """The calls a client rebuilds from the deltas: the name from each call's first, the arguments concatenated."""
+    names, arguments = {}, {}
+    for delta in deltas:
+        if delta.name is not None:
+            assert delta.number not in names, "a call's name comes once, on its first delta"
+            names[delta.number] = delta.name
+        assert delta.number in names, "a call's first delta names it"
+        arguments[delta.number] = arguments.get(delta.number, "") + delta.arguments
+    return [ParsedCall(names[n], arguments[n]) for n in sorted(names)]
+
+
 @pytest.mark.parametrize("parser, text, content, calls", CASES)
 def test_streaming_one_character_at_a_time_gives_the_same_calls_and_content(parser, text, content, calls):
     deltas = ToolCallDeltas(parser)
-    streamed_content, streamed_calls, calls_seen_at = "", [], []
+    streamed_content, streamed, completed_at = "", [], []
     for end in range(1, len(text) + 1):
         piece, new = deltas.next(text[:end], finished=end == len(text))
         streamed_content += piece
-        streamed_calls += new
-        calls_seen_at += [end] * len(new)
-    assert streamed_content == (content or "") and streamed_calls == calls
-    if len(calls) > 1:  # a call goes out as soon as it is complete, not at the end
-        assert calls_seen_at[0] < len(text)
+        streamed += new
+        completed_at += [end for delta in new if delta.complete]
+    assert streamed_content == (content or "") and accumulated(streamed) == calls
+    assert len(completed_at) == len(calls)
+    # the arguments go out as they are written, in many pieces, and a call closes before the output ends
+    assert sum(1 for d in streamed if d.arguments) > 2 * len(calls)
+    if len(calls) > 1:
+        assert completed_at[0] < len(text)
+
+
+@pytest.mark.parametrize("written", [
+    '{"city": "Paris", "days": [1, 2.5, -3e2], "ok": true, "note": null, "nested": {"a": "x\\"\\u00e9\\ud83d\\ude00"}}',
+    '{\n  "city":"Paris" ,\n  "list" : [ ] , "empty": {}\n}', "{}"])
+def test_argument_pieces_add_up_to_the_arguments_of_the_whole_call(written):
+    text = '<tool_call>\n{"name": "f", "arguments": ' + written + '}\n</tool_call>'
+    whole = HermesToolParser().parse(text).calls
+    deltas = ToolCallDeltas(HermesToolParser())
+    streamed = [d for end in range(1, len(text) + 1) for d in deltas.next(text[:end], end == len(text))[1]]
+    assert accumulated(streamed) == list(whole) and whole[0].arguments == json.dumps(json.loads(written),
+                                                                                     ensure_ascii=False)
+
+
+def test_a_call_cut_by_max_tokens_stays_as_far_as_it_was_streamed():
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
+    deltas = ToolCallDeltas(HermesToolParser())
+    streamed = [d for end in range(1, len(text) + 1)
+                for d in deltas.next(text[:end], end == len(text), truncated=end == len(text))[1]]
+    assert accumulated(streamed) == [ParsedCall("get_weather", '{"city": "Par')]
+    assert not any(d.complete for d in streamed)
 
 
 @pytest.mark.parametrize("parser", [HermesToolParser(), MistralToolParser(), Llama3JsonToolParser()])
@@ -116,4 +152,4 @@ def test_hermes_reads_the_bare_calls_small_qwen_coder_models_write():
         content, calls = deltas.next(bare[:end], end == len(bare))
         assert content == ""
         sent += calls
-    assert [c.name for c in sent] == ["get_order", "f"]
+    assert accumulated(sent) == list(parsed.calls)
