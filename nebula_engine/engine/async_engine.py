@@ -59,6 +59,7 @@ class EngineStats:
     num_waiting: int = 0  # requests queued, not yet scheduled (includes preempted ones)
     num_running: int = 0  # requests holding KV pages, prefilling or decoding
     alive: bool = True  # False once the loop has stopped: no request will be served
+    kv_cache_usage: float = 0.0  # fraction of the KV pool's pages held by requests (``Scheduler.kv_cache_usage``)
 
 
 @dataclass(frozen=True)
@@ -290,7 +291,9 @@ class AsyncLLMEngine:
                         self._apply(command)
                 if self.engine.has_schedulable_requests():
                     self._step()
-                self._stats = EngineStats(len(self.engine.scheduler.waiting), len(self.engine.scheduler.running))
+                scheduler = self.engine.scheduler
+                self._stats = EngineStats(len(scheduler.waiting), len(scheduler.running),
+                                          kv_cache_usage=scheduler.kv_cache_usage)
         except BaseException:
             logger.exception("engine loop crashed; failing every request")
         finally:

@@ -96,7 +96,7 @@ class OutputProcessor:
                              num_cached_tokens=seq.num_cached_tokens,
                              num_prefix_cached_tokens=seq.num_prefix_cached_tokens,
                              num_pic_cached_tokens=seq.num_pic_cached_tokens,
-                             num_recomputed_tokens=seq.num_recomputed_tokens)
+                             num_recomputed_tokens=seq.num_recomputed_tokens, times=seq.times)
 
 
 class NoText:

@@ -34,6 +34,14 @@ class CompletionOutput:
     token_logprobs: list[float] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class RequestTimes:
+    """How long a request spent in each phase before its first token, in seconds (vLLM's queue and prefill time)."""
+
+    queued: float  # from its arrival in the engine until it was first scheduled
+    prefill: float  # from then until its first token was computed
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -49,3 +57,4 @@ class RequestOutput:
     num_pic_cached_tokens: int = 0  # PIC segment tokens the combine reused at a new position (hits or fresh)
     num_recomputed_tokens: int = 0  # PIC-reused tokens the backend recomputed anyway (combine prefill)
     error: str | None = None  # set when the engine failed this request (finished, finish_reason "error")
+    times: RequestTimes | None = None  # once it has a first token (None from engines that do not time requests)

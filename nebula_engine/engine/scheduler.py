@@ -8,14 +8,17 @@ runs out of pages, the newest running sequence is preempted: its pages are freed
 front of the queue to be recomputed (a PIC prompt by a combine again, its segments looked up anew).
 With prefix caching, a sequence is admitted after its longest cached prefix (never its last token)
 and its pages are cached as they fill; unlocked cached pages are evicted before anyone is preempted.
+Each sequence is stamped, by the clock the scheduler is given, when it is first scheduled and when its first
+token's forward has run (its queue and prefill times).
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Collection
+from typing import Callable, Collection
 
 from nebula_engine.config import SchedulerConfig
 from nebula_engine.engine.sequence import Sequence, SequenceStatus
@@ -57,9 +60,11 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager,
-                 prefix_cache: PrefixCachingKVCacheManager | None = None):
+                 prefix_cache: PrefixCachingKVCacheManager | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         """``prefix_cache``: ``kv_cache`` again when sequences match and cache their prefixes in it; None: prefix
-        caching is off (a ``PrefixCachingKVCacheManager`` may still serve the PIC store alone)."""
+        caching is off (a ``PrefixCachingKVCacheManager`` may still serve the PIC store alone). ``clock``: the
+        sequences' ``arrival_time`` clock, for their first-scheduled and first-token stamps."""
         if prefix_cache is not None and prefix_cache is not kv_cache:
             raise ValueError("prefix_cache must be kv_cache itself: both hand out the same block tables")
         self.config = config
@@ -69,9 +74,15 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._finished_seq_ids: list[str] = []
         self.held: set[str] = set()  # finished sequences whose pages stay allocated until released
+        self.clock = clock
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of the pool's pages held by sequences (cached pages nobody holds can be evicted: free)."""
+        return 1.0 - self.kv_cache.num_free_pages / self.kv_cache.pool.num_pages
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -158,6 +169,8 @@ class Scheduler:
                 if not passed.waits_for_kv:
                     passed.num_times_passed += 1
             seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = self.clock()
             self.running.append(seq)
             (combines if combine else scheduled).append(self._entry(seq, num_new))
             budget -= num_new
@@ -204,9 +217,12 @@ class Scheduler:
     def advance(self, output: SchedulerOutput, failed: Collection[str] = ()) -> None:
         """The model ran ``output``: its new tokens now have K/V in the cache, except for the ``failed`` sequences
         (their pages are never cached; the engine aborts them)."""
+        now = self.clock()
         for entry in output.scheduled + output.combines:
             if entry.seq_id in failed:
                 continue
+            if entry.samples and entry.seq.first_token_time is None:
+                entry.seq.first_token_time = now
             entry.seq.num_computed_tokens += entry.num_new_tokens
             if self.prefix_cache is not None:  # full pages become reusable as soon as they are computed
                 self.prefix_cache.cache_pages(entry.seq_id, entry.seq.token_ids, entry.seq.num_computed_tokens,

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import enum
 import sys
+import time
 
 from nebula_engine.engine.kv_gate import KVGate
+from nebula_engine.engine.outputs import RequestTimes
 from nebula_engine.engine.sampling_params import SamplingParams
 
 
@@ -19,7 +21,8 @@ class Sequence:
     """Prompt + generated tokens; ``num_computed_tokens`` of them have K/V in the cache."""
 
     def __init__(self, seq_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 prompt: str | None = None, segmented=None, pic_backend=None):
+                 prompt: str | None = None, segmented=None, pic_backend=None, arrival_time: float | None = None):
+        """``arrival_time``: ``time.monotonic()`` when it reached the engine (default: now)."""
         self.seq_id = seq_id
         self.segmented = segmented  # SegmentedPrompt with PIC segments, or None
         self.pic_backend = pic_backend  # PICBackend that combines them, or None (plain prefill)
@@ -47,6 +50,10 @@ class Sequence:
         self.kv_gate: KVGate | None = None  # shut while KV it needs is still arriving (a cluster combine)
         # caches its prompt's KV and finishes without a token: no logits are computed (a cluster peer's lead)
         self.prefill_only = False
+        # time.monotonic() of its arrival, of its first admission by the scheduler, of its first token's forward
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
 
     @property
     def waits_for_kv(self) -> bool:
@@ -77,6 +84,14 @@ class Sequence:
     def num_cached_tokens(self) -> int:
         """Prompt tokens served from KV that existed before this request (the cache hits)."""
         return self.num_prefix_cached_tokens + self.num_pic_hit_tokens
+
+    @property
+    def times(self) -> RequestTimes | None:
+        """Its queue and prefill times, once it has a first token."""
+        if self.first_scheduled_time is None or self.first_token_time is None:
+            return None
+        return RequestTimes(self.first_scheduled_time - self.arrival_time,
+                            self.first_token_time - self.first_scheduled_time)
 
     @property
     def num_tokens(self) -> int:

@@ -1,23 +1,25 @@
 """Prometheus metrics of one API server, in a registry of its own (several apps can live in one process).
 
 Request-level series are recorded by the API from each request's outputs as they arrive (``ServerMetrics.timed``),
-so they mean the same whatever ``EngineClient`` serves them. Queue gauges are read from ``EngineClient.stats()`` at
-scrape time. The cluster adds its own series (transfer bytes, evictions, ...) with ``ServerMetrics.register``.
+so they mean the same whatever ``EngineClient`` serves them. Queue and prefill time are the engine's own stamps
+(``RequestOutput.times``: arrival in the engine -> first scheduled -> first token), observed where the engine
+reports them; decode time runs from the first output to the last as the API sees them. Queue gauges and KV-cache
+usage are read from ``EngineClient.stats()`` at scrape time. The cluster adds its own series (transfer bytes,
+evictions, ...) with ``ServerMetrics.register``; ``RemoteReadCollector`` is the one for KV bytes read from other
+peers, by the tier the holder found them on.
 
 The ``nebula:`` series carry vLLM's names and meanings (``vllm:time_to_first_token_seconds`` ->
 ``nebula:time_to_first_token_seconds``, ...) and a ``model_name`` label, so a vLLM dashboard charts them with the
-prefix changed; PIC adds its own (``nebula:pic_*``). Queue and prefill time are not split here: the API sees the
-first token, not when the engine scheduled the request (``time_to_first_token`` holds both). The older
-``nebula_*`` series stay for existing scrapers.
+prefix changed; PIC adds its own (``nebula:pic_*``). The older ``nebula_*`` series stay for existing scrapers.
 """
 
 from __future__ import annotations
 
 import time
-from typing import AsyncIterator, Callable, Iterable, Sequence
+from typing import AsyncIterator, Callable, Iterable, Mapping, Sequence
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from nebula_engine.engine.async_engine import EngineStats
@@ -63,6 +65,27 @@ class _QueueCollector(Collector):
             gauge = GaugeMetricFamily(name, help_text, labels=["model_name"])
             gauge.add_metric([self._model_name], value)
             yield gauge
+        usage = GaugeMetricFamily("nebula:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                                  labels=["model_name"])
+        usage.add_metric([self._model_name], stats.kv_cache_usage)
+        yield usage
+
+
+class RemoteReadCollector(Collector):
+    """``nebula:pic_remote_read_bytes{tier}``: KV bytes this peer read from other peers, by the tier (``device``,
+    ``host``, ``disk``) the holder found them on. ``read_bytes``: the running totals by tier, read at each scrape."""
+
+    def __init__(self, read_bytes: Callable[[], Mapping[str, int]], model_name: str):
+        self._read_bytes = read_bytes
+        self._model_name = model_name
+
+    def collect(self) -> Iterable[Metric]:
+        family = CounterMetricFamily("nebula:pic_remote_read_bytes",
+                                     "KV bytes read from other peers, by the tier the holder found them on.",
+                                     labels=["model_name", "tier"])
+        for tier, num_bytes in sorted(self._read_bytes().items()):
+            family.add_metric([self._model_name, tier], num_bytes)
+        yield family
 
 
 class _RequestSeries:
@@ -98,6 +121,10 @@ class _RequestSeries:
                               "Histogram of time_per_output_token_seconds per request.", ITL_BUCKETS)
         self.e2e = histogram("nebula:e2e_request_latency_seconds",
                              "Histogram of e2e request latency in seconds.", REQUEST_TIME_BUCKETS)
+        self.queue_time = histogram("nebula:request_queue_time_seconds",
+                                    "Histogram of time spent in WAITING phase for request.", REQUEST_TIME_BUCKETS)
+        self.prefill_time = histogram("nebula:request_prefill_time_seconds",
+                                      "Histogram of time spent in PREFILL phase for request.", REQUEST_TIME_BUCKETS)
         self.decode_time = histogram("nebula:request_decode_time_seconds",
                                      "Histogram of time spent in DECODE phase for request.", REQUEST_TIME_BUCKETS)
         self.prompt_lengths = histogram("nebula:request_prompt_tokens", "Number of prefill tokens processed.",
@@ -116,6 +143,9 @@ class _RequestSeries:
         self.pic_hits.labels(label).inc(output.num_cached_tokens - output.num_prefix_cached_tokens)
         self.pic_recomputed.labels(label).inc(output.num_recomputed_tokens)
         self.prompt_lengths.labels(label).observe(num_prompt)
+        if output.times is not None:
+            self.queue_time.labels(label).observe(output.times.queued)
+            self.prefill_time.labels(label).observe(output.times.prefill)
 
     def tokens(self, num_steps: int, seconds: float) -> None:
         """``num_steps`` new tokens per completion arrived ``seconds`` after the previous ones."""

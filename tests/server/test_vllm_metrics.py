@@ -44,8 +44,16 @@ def test_request_series_count_what_the_requests_did(server):
     def grew(name: str, **labels) -> float:
         return value(after, name, **labels) - value(before, name, **labels)
 
-    assert grew("nebula:time_to_first_token_seconds_count") == 2
-    assert grew("nebula:e2e_request_latency_seconds_count") == 2
+    for histogram in ("time_to_first_token", "e2e_request_latency", "request_queue_time", "request_prefill_time",
+                      "request_decode_time"):
+        assert grew(f"nebula:{histogram}_seconds_count") == 2, histogram
+        assert grew(f"nebula:{histogram}_seconds_sum") >= 0, histogram
+    # the engine's phases fit inside what the API measured: queue + prefill before the first token, each >= 0
+    assert (grew("nebula:request_queue_time_seconds_sum") + grew("nebula:request_prefill_time_seconds_sum")
+            <= grew("nebula:time_to_first_token_seconds_sum"))
+    assert grew("nebula:request_prompt_tokens_count") == 2
+    assert grew("nebula:request_prompt_tokens_sum") == 2 * whole.usage.prompt_tokens
+    assert grew("nebula:request_generation_tokens_count") == 2
     assert grew("nebula:inter_token_latency_seconds_count") == (5 - 1) + (4 - 1)
     assert grew("nebula:request_time_per_output_token_seconds_count") == 2
     assert grew("nebula:request_success_total", finished_reason="length") == 2
@@ -56,6 +64,42 @@ def test_request_series_count_what_the_requests_did(server):
     # the second request found the first one's full pages in the prefix cache
     assert grew("nebula:prefix_cache_hits_total") > 0
     assert value(after, "nebula:num_requests_running") == 0 and streamed[-1].choices[0].finish_reason == "length"
+    assert ("nebula:num_requests_waiting", (("model_name", MODEL_NAME),)) in after
+    assert value(after, "nebula:kv_cache_usage_perc") == 0.0  # idle: cached pages nobody holds count as free
+    assert grew("nebula:pic_reused_tokens_total") == 0 and grew("nebula:pic_recomputed_tokens_total") == 0
+
+
+def test_pic_series_count_a_reused_segment(server):
+    client = openai_client(server)
+    document = "<pic>" + " ".join(f"fact {i} is true." for i in range(12)) + "</pic>"
+    first = client.completions.create(model=MODEL_NAME, prompt=f"A. {document} Q?", max_tokens=1, temperature=0)
+    before = samples(server)
+    client.completions.create(model=MODEL_NAME, prompt=f"Other text here. {document} Q?", max_tokens=1,
+                              temperature=0)
+    after = samples(server)
+    reused = value(after, "nebula:pic_reused_tokens_total") - value(before, "nebula:pic_reused_tokens_total")
+    hits = value(after, "nebula:pic_cache_hits_total") - value(before, "nebula:pic_cache_hits_total")
+    assert 0 < hits <= reused < first.usage.prompt_tokens
+    assert value(after, "nebula:pic_recomputed_tokens_total") >= value(before, "nebula:pic_recomputed_tokens_total")
+
+
+def test_kv_cache_usage_and_remote_reads_are_read_at_scrape_time():
+    from nebula_engine.engine.async_engine import EngineStats
+    from nebula_engine.server.metrics import RemoteReadCollector, ServerMetrics
+
+    stats = EngineStats(num_waiting=3, num_running=2, kv_cache_usage=0.25)
+    metrics = ServerMetrics(lambda: stats, MODEL_NAME)
+    read = {"device": 4096, "host": 1024}
+    metrics.register(RemoteReadCollector(lambda: read, MODEL_NAME))
+    text = metrics.render()[0].decode()
+    snapshot = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+    assert value(snapshot, "nebula:kv_cache_usage_perc") == 0.25
+    assert (value(snapshot, "nebula:num_requests_waiting"), value(snapshot, "nebula:num_requests_running")) == (3, 2)
+    assert value(snapshot, "nebula:pic_remote_read_bytes_total", tier="device") == 4096
+    read["host"] += 512
+    assert "nebula:pic_remote_read_bytes_total{model_name=\"tiny-qwen3\",tier=\"host\"} 1536.0" in \
+        metrics.render()[0].decode()
 
 
 def test_the_grafana_dashboard_charts_only_series_the_server_exposes(server):
