@@ -1,11 +1,13 @@
-"""Prefill and batched decode throughput: our engine vs transformers, same weights, same process, and both
-as a fraction of this machine's fp32 GEMM limit.
+"""Prefill and batched decode throughput: our engine vs a peer (transformers, or llama.cpp on the same GGUF file),
+same weights, same process, as a fraction of this machine's fp32 GEMM limit and, for decode, of its memory-read
+limit.
 
 Ours runs the real path (scheduler -> model runner -> paged KV cache -> sampler) through LLMEngine.step.
 transformers runs ``generate`` (greedy, the same batch and new tokens: what its users call) and, for reference,
-its bare forward with its own DynamicCache and ``logits_to_keep=1`` (no generate overhead).
+its bare forward with its own DynamicCache and ``logits_to_keep=1`` (no generate overhead). ``--peer llamacpp``
+runs llama.cpp instead (``tools/llamacpp_peer.py``: its C API, one sequence per request, as llama-batched-bench).
 
-- prefill: one prompt of --prompt-len tokens, tokens/s (ours: the engine steps that prefill it and sample);
+- prefill: one prompt of each --prompt-len tokens, tokens/s (ours: the engine steps that prefill it and sample);
 - decode: --decode-batches concurrent requests of --decode-prompt-len tokens, --decode-steps new tokens each,
   tokens/s of the decode steps (median step; transformers ``generate``: the median interval between its calls
   of a logits processor, one per new token);
@@ -13,6 +15,9 @@ its bare forward with its own DynamicCache and ``logits_to_keep=1`` (no generate
   weight a token multiplies (the matmul weights; MoE: the experts a token uses; the LM head only for tokens
   whose logits are computed, a prefill's last) plus 4·H·D per context token per attention layer (QK and PV).
   Linear-attention recurrences and MLA's latent attention are left out.
+- read limit: the best of 5 sums of a 1 GiB fp32 tensor, GB/s (a STREAM-like read). A decode step reads every
+  weight once whatever the batch (its bytes as stored: GGUF blocks or fp32), so weight bytes x steps/s over it
+  is the share of the memory limit the step reaches (the KV cache and activations left out).
 
 Prints ratios ours/HF (> 1: we are faster). Runners alternate repeat by repeat and the best repeat counts, so
 load from other processes hits both sides alike. Shapes scale with --hidden-size / --num-heads: DeepSeek-V2
@@ -22,8 +27,11 @@ linear-attention layers + 1 full-attention layer.
     python tools/bench_forward.py                                   # random Mistral, hidden 512, 8 layers
     python tools/bench_forward.py --family deepseek_v2 --hidden-size 256 --num-layers 4
     python tools/bench_forward.py --model smollm2 --threads 2       # a real model, as it is
+    python tools/bench_forward.py --model qwen2.5-coder-0.5b --threads 2 --peer llamacpp \
+        --prompt-len 512 2048 --decode-batches 1 32
 
-``--write-docs`` also writes the figures to the results page docs/results/engine-speed.md.
+``--write-docs`` also writes the figures to the results page docs/results/engine-speed.md (``--peer llamacpp``:
+engine-speed-llamacpp.md).
 """
 
 from __future__ import annotations
@@ -47,7 +55,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--num-layers", type=int, default=8)
     parser.add_argument("--num-heads", type=int, default=8)
     parser.add_argument("--num-kv-heads", type=int, default=2)
-    parser.add_argument("--prompt-len", type=int, default=1024, help="prefill: tokens of the one prompt")
+    parser.add_argument("--peer", choices=["transformers", "llamacpp"], default="transformers",
+                        help="what ours is compared with; llamacpp needs a GGUF --model and the llamacpp extra")
+    parser.add_argument("--prompt-len", type=int, nargs="+", default=[1024],
+                        help="prefill: tokens of the one prompt, one measurement each")
     parser.add_argument("--decode-batches", type=int, nargs="+", default=[1, 8, 32],
                         help="decode: concurrent requests, one measurement each")
     parser.add_argument("--decode-prompt-len", type=int, default=128, help="decode: prompt tokens per request")
@@ -114,10 +125,11 @@ class OursRunner:
 
         batch = max(args.decode_batches)
         decode_tokens = batch * (args.decode_prompt_len + args.decode_steps + 1)
-        pages = -(-max(decode_tokens, args.prompt_len + 1) // args.page_size) + batch
+        prompt_len = max(args.prompt_len)
+        pages = -(-max(decode_tokens, prompt_len + 1) // args.page_size) + batch
         self.engine = LLMEngine(EngineConfig.create(
             checkpoint, page_size=args.page_size, num_pages=pages, max_num_seqs=batch, quantization=args.quantization,
-            max_num_batched_tokens=max(args.prompt_len, batch * args.decode_prompt_len)))
+            max_num_batched_tokens=max(prompt_len, batch * args.decode_prompt_len)))
         self._next_id = 0
 
     def _add(self, prompts: torch.Tensor, max_tokens: int) -> None:
@@ -221,6 +233,23 @@ def gemm_gflops(size: int = 2048, repeats: int = 5) -> float:
     return 2 * size**3 / min(timed(lambda: torch.mm(a, b)) for _ in range(repeats)) / 1e9
 
 
+def read_limit_gbs(gib: int = 1, repeats: int = 5) -> float:
+    """The machine's practical memory-read limit: the best of ``repeats`` sums of a ``gib`` GiB fp32 tensor, GB/s."""
+    data = torch.ones(gib << 28)
+    data.sum()
+    return data.nbytes / min(timed(data.sum) for _ in range(repeats)) / 1e9
+
+
+def weight_bytes_per_step(model: torch.nn.Module) -> int:
+    """Bytes of the linear layers' weights as stored (GGUF blocks or fp32): what any decode step reads."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            weight = module.weight
+            total += sum(p.nbytes for p in weight.parts) if hasattr(weight, "parts") else weight.nbytes
+    return total
+
+
 def matmul_weights_per_token(model: torch.nn.Module) -> int:
     """Weights one token multiplies: every linear layer's, MoE experts scaled to the top-k a token uses."""
     from nebula_engine.model.layers import SparseMoE
@@ -262,11 +291,22 @@ def best_of(runners: dict, repeats: int, fn) -> dict[str, float]:
     return best
 
 
-PAGE_ABOUT = ("Prefill and batched decode throughput of this engine's real path (scheduler, model runner, paged KV "
-              "cache, sampler) against Hugging Face transformers on the same weights in the same process, fp32, "
-              "runners alternating repeat by repeat, the best repeat counted. Decode is tokens/s of the decode steps "
-              "of N concurrent requests against transformers `generate` with the same batch, greedy. '% of limit' is "
-              "the achieved GFLOP/s over this machine's fp32 GEMM limit (a 2048^3 matmul with the same threads).")
+PAGE_ABOUT = {
+    "transformers": (
+        "Prefill and batched decode throughput of this engine's real path (scheduler, model runner, paged KV cache, "
+        "sampler) against Hugging Face transformers on the same weights in the same process, fp32, runners "
+        "alternating repeat by repeat, the best repeat counted. Decode is tokens/s of the decode steps of N "
+        "concurrent requests against transformers `generate` with the same batch, greedy. '% of limit' is the "
+        "achieved GFLOP/s over this machine's fp32 GEMM limit (a 2048^3 matmul with the same threads)."),
+    "llamacpp": (
+        "Prefill and batched decode throughput of this engine's real path (scheduler, model runner, paged KV cache, "
+        "sampler) against llama.cpp (llama-cpp-python's C API, one sequence per request as llama-batched-bench) on "
+        "the same GGUF file in the same process with the same threads, runners alternating repeat by repeat, the "
+        "best repeat counted, greedy. '% of limit': prefill, the achieved GFLOP/s over this machine's fp32 GEMM "
+        "limit (a 2048^3 matmul); decode, the weight bytes a step reads per second over its memory-read limit "
+        "(the best sum of a 1 GiB fp32 tensor)."),
+}
+PEER_LABEL = {"transformers": "transformers", "llamacpp": "llama.cpp"}
 
 
 def limit_share(fraction_text: str) -> str:
@@ -274,15 +314,36 @@ def limit_share(fraction_text: str) -> str:
     return fraction_text.split("= ")[-1].removesuffix(" of limit").strip()
 
 
-def engine_speed_page(header: str, rows: list[tuple], limits: tuple[float, float]):
+def engine_speed_page(peer: str, header: str, rows: list[tuple], limits: tuple[float, float], read_gbs: float):
     from nebula_engine.bench.results_page import ResultsPage, Table
 
-    table = Table(("figure", "ours tok/s", "ours % of limit", "transformers tok/s", "ours / transformers"),
+    label = PEER_LABEL[peer]
+    table = Table(("figure", "ours tok/s", "ours % of limit", f"{label} tok/s", f"ours / {label}"),
                   tuple(rows), caption=header)
-    notes = ("transformers runs `generate` for decode and its bare forward for prefill; above 1.00 we are faster.",
+    how = ("transformers runs `generate` for decode and its bare forward for prefill" if peer == "transformers"
+           else "llama.cpp decodes one sequence per request, one token each per step")
+    notes = (f"{how}; above 1.00 we are faster.",
              f"GEMM limit {limits[0]:.1f} GFLOP/s at the start, {limits[1]:.1f} at the end (how much the machine's "
-             "load changed meanwhile).")
-    return ResultsPage("engine-speed", "Engine speed against transformers", PAGE_ABOUT, (table,), notes)
+             f"load changed meanwhile); memory-read limit {read_gbs:.1f} GB/s.")
+    name = "engine-speed" if peer == "transformers" else f"engine-speed-{peer}"
+    return ResultsPage(name, f"Engine speed against {label}", PAGE_ABOUT[peer], (table,), notes)
+
+
+def build_peers(args: argparse.Namespace, checkpoint: str) -> tuple[dict, dict, list]:
+    """(prefill runners, decode runners, what to close), by ``--peer``; ours comes first in each."""
+    if args.peer == "llamacpp":
+        if Path(checkpoint).suffix != ".gguf":
+            raise SystemExit(f"--peer llamacpp runs a GGUF file; {checkpoint} is not one")
+        from llamacpp_peer import LlamaCppRunner
+
+        peer = LlamaCppRunner(checkpoint, threads=torch.get_num_threads(), max_prompt_len=max(args.prompt_len),
+                              max_batch=max(args.decode_batches), decode_prompt_len=args.decode_prompt_len,
+                              decode_steps=args.decode_steps, clock=clock)
+        return {"llama.cpp": peer}, {"llama.cpp": peer}, [peer]
+    hf = HFRunner(checkpoint)
+    generate = HFGenerateRunner.__new__(HFGenerateRunner)
+    generate.model = hf.model  # the same module: only the decode loop differs
+    return {"transformers": hf}, {"transformers": generate} | ({"hf-forward": hf} if args.hf_forward else {}), []
 
 
 def main() -> None:
@@ -293,20 +354,20 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     from nebula_engine.config import resolve_model
 
-    limit = gemm_gflops()
+    limit, read_gbs = gemm_gflops(), read_limit_gbs()
     with tempfile.TemporaryDirectory(prefix="nebula-bench-") as tmp:
         checkpoint = resolve_model(args.model) if args.model else make_checkpoint(args, tmp)
         ours = OursRunner(checkpoint, args)
         model, config = ours.engine.model_runner.model, ours.engine.model_config
         vocab = config.vocab_size
         weights, attention = matmul_weights_per_token(model), attention_flops_per_context_token(model)
-        hf = HFRunner(checkpoint)
-        generate = HFGenerateRunner.__new__(HFGenerateRunner)
-        generate.model = hf.model  # the same module: only the decode loop differs
-        print(f"{args.model or args.family}: hidden {config.hidden_size}, {config.num_hidden_layers} layers, "
-              f"{weights / 1e6:.1f} M matmul weights per token, fp32, {torch.get_num_threads()} threads, "
-              f"{args.clock} clock; "
-              f"GEMM limit (2048^3) {limit:.1f} GFLOP/s", flush=True)
+        step_bytes = weight_bytes_per_step(model)
+        prefill_peers, decode_peers, to_close = build_peers(args, checkpoint)
+        peer_name = next(iter(prefill_peers))
+        header = (f"{args.model or args.family}: hidden {config.hidden_size}, {config.num_hidden_layers} layers, "
+                  f"{weights / 1e6:.1f} M matmul weights per token ({step_bytes / 1e6:.0f} MB as stored, "
+                  f"{args.quantization}), {torch.get_num_threads()} threads, {args.clock} clock")
+        print(f"{header}; GEMM limit (2048^3) {limit:.1f} GFLOP/s, memory-read limit {read_gbs:.1f} GB/s", flush=True)
 
         head = model.lm_head.weight.numel()
 
@@ -315,46 +376,56 @@ def main() -> None:
             gflops = tokens_per_s * (2 * (weights - head + head * logits_per_token) + attention * context) / 1e9
             return f"{gflops:6.1f} GFLOP/s = {100 * gflops / limit:4.1f}% of limit"
 
+        def bandwidth(steps_per_s: float) -> str:
+            gbs = steps_per_s * step_bytes / 1e9
+            return f"{gbs:6.1f} GB/s = {100 * gbs / read_gbs:4.1f}% of limit"
+
         warm = random_prompts(1, 16, vocab, seed=0)
-        for runner in (ours, hf, generate):
+        for runner in [ours, *prefill_peers.values(), *decode_peers.values()]:
             runner.prefill(warm)
             runner.decode(warm, 2)
-        prefill = best_of({"ours": ours, "hf": hf}, args.repeats,
-                          lambda r, i: r.prefill(random_prompts(1, args.prompt_len, vocab, seed=1 + i)))
-        tokens, context = args.prompt_len, (args.prompt_len + 1) / 2  # causal: a token sees half on average
-        ours_rate, hf_rate = tokens / prefill["ours"], tokens / prefill["hf"]
-        page_rows = [(f"prefill, {tokens} tokens", f"{ours_rate:.1f}",
-                      limit_share(fraction(ours_rate, context, 1 / tokens)), f"{hf_rate:.1f} (forward)",
-                      f"{ours_rate / hf_rate:.2f}x")]
-        print(f"prefill {tokens} tokens       ours {ours_rate:8.1f} tok/s ({fraction(ours_rate, context, 1 / tokens)})   "
-              f"HF {hf_rate:8.1f} tok/s ({fraction(hf_rate, context, 1 / tokens)})   ours/HF {ours_rate / hf_rate:.2f}x",
-              flush=True)
+        page_rows = []
+        for tokens in args.prompt_len:
+            prefill = best_of({"ours": ours} | prefill_peers, args.repeats,
+                              lambda r, i: r.prefill(random_prompts(1, tokens, vocab, seed=1 + i)))
+            context = (tokens + 1) / 2  # causal: a token sees half on average
+            ours_rate, peer_rate = tokens / prefill["ours"], tokens / prefill[peer_name]
+            kind = " (forward)" if args.peer == "transformers" else ""
+            page_rows.append((f"prefill, {tokens} tokens", f"{ours_rate:.1f}",
+                              limit_share(fraction(ours_rate, context, 1 / tokens)), f"{peer_rate:.1f}{kind}",
+                              f"{ours_rate / peer_rate:.2f}x"))
+            print(f"prefill {tokens} tokens       ours {ours_rate:8.1f} tok/s "
+                  f"({fraction(ours_rate, context, 1 / tokens)})   {peer_name} {peer_rate:8.1f} tok/s "
+                  f"({fraction(peer_rate, context, 1 / tokens)})   ours/{peer_name} {ours_rate / peer_rate:.2f}x",
+                  flush=True)
         context = args.decode_prompt_len + args.decode_steps / 2
         for batch in args.decode_batches:
-            runners = {"ours": ours, "hf-generate": generate} | ({"hf-forward": hf} if args.hf_forward else {})
-            seconds = best_of(runners, args.repeats, lambda r, i: r.decode(
+            seconds = best_of({"ours": ours} | decode_peers, args.repeats, lambda r, i: r.decode(
                 random_prompts(batch, args.decode_prompt_len, vocab, seed=100 + i), args.decode_steps))
             rates = {name: batch / step for name, step in seconds.items()}
+            ratio = rates["ours"] / rates[peer_name]
             line = (f"decode {batch:3d} x {args.decode_prompt_len} prompt   ours {rates['ours']:8.1f} tok/s "
-                    f"({fraction(rates['ours'], context)})   HF generate {rates['hf-generate']:8.1f} tok/s "
-                    f"({fraction(rates['hf-generate'], context)})   ours/HF generate "
-                    f"{rates['ours'] / rates['hf-generate']:.2f}x")
+                    f"({fraction(rates['ours'], context)}; {bandwidth(1 / seconds['ours'])})   "
+                    f"{peer_name} {rates[peer_name]:8.1f} tok/s ({bandwidth(1 / seconds[peer_name])})   "
+                    f"ours/{peer_name} {ratio:.2f}x")
             if "hf-forward" in rates:
                 line += (f"   HF forward {rates['hf-forward']:8.1f} tok/s, "
                          f"ours/HF forward {rates['ours'] / rates['hf-forward']:.2f}x")
             print(line, flush=True)
+            share = (limit_share(fraction(rates["ours"], context)) if args.peer == "transformers"
+                     else limit_share(bandwidth(1 / seconds["ours"])) + " (memory)")
+            kind = " (generate)" if args.peer == "transformers" else ""
             page_rows.append((f"decode, {batch} requests x {args.decode_prompt_len} prompt tokens",
-                              f"{rates['ours']:.1f}", limit_share(fraction(rates["ours"], context)),
-                              f"{rates['hf-generate']:.1f} (generate)", f"{rates['ours'] / rates['hf-generate']:.2f}x"))
-        header = (f"{args.model or args.family}: hidden {config.hidden_size}, {config.num_hidden_layers} layers, "
-                  f"{weights / 1e6:.1f} M matmul weights per token, fp32, {torch.get_num_threads()} threads, "
-                  f"{args.clock} clock")
+                              f"{rates['ours']:.1f}", share, f"{rates[peer_name]:.1f}{kind}", f"{ratio:.2f}x"))
+        for runner in to_close:
+            runner.close()
     end_limit = gemm_gflops()
     print(f"GEMM limit again at the end: {end_limit:.1f} GFLOP/s (the machine's load changed by this much)")
     if args.write_docs:
         from nebula_engine.bench.results_page import write_page
 
-        print(f"wrote {write_page(engine_speed_page(header, page_rows, (limit, end_limit)))}")
+        page = engine_speed_page(args.peer, header, page_rows, (limit, end_limit), read_gbs)
+        print(f"wrote {write_page(page)}")
 
 
 if __name__ == "__main__":
