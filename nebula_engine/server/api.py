@@ -49,7 +49,8 @@ from nebula_engine.server.tool_parsers import parser_for_template, tool_parser
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}  # path -> metric label
+ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions",
+             "/v1/responses": "responses"}  # path -> metric label
 
 
 def build_app(client: EngineClient, model_name: str, *, api_key: str | None = None,

@@ -32,6 +32,7 @@ from nebula_engine.server.protocol import ChatCompletionRequest, JSONObject, Tex
 from nebula_engine.server.responses import TextDeltas, cached_tokens
 from nebula_engine.server.tool_streaming import CallDelta, ToolCallDeltas
 
+ENDPOINT = "responses"  # its label in the request metrics
 DEFAULT_MAX_STORED = 1024  # responses kept for previous_response_id: each a conversation's text, KBs each
 
 
@@ -196,6 +197,7 @@ class ResponsesAPI:
         stream = self.metrics.timed(self.client.generate(response.id, engine_input.prompts[0], engine_input.params,
                                                          engine_input.pic_backend), arrival)
         first = await _first(stream, self.client, response.id)
+        self.metrics.on_first_output(first, time.perf_counter() - arrival)
         if request.stream:
             return StreamingResponse(self._events(response, first, stream, messages),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -205,6 +207,7 @@ class ResponsesAPI:
                 pass
         except EngineError as exc:
             raise APIError(str(exc), status=500, type=INTERNAL_ERROR, code="engine_error") from exc
+        self.metrics.on_request_end(ENDPOINT, "ok", [final])
         body = response.body(final)
         self._remember(request, response, messages, final, body)
         return JSONResponse(body)
@@ -212,6 +215,7 @@ class ResponsesAPI:
     async def _events(self, response: _Response, first: RequestOutput, stream: AsyncIterator[RequestOutput],
                       messages: list[dict[str, Any]]) -> AsyncIterator[str]:
         events = _EventStream(response)
+        status, output = "aborted", first  # until the stream ends, one way or another
         try:
             for event in events.opening():
                 yield event
@@ -226,11 +230,14 @@ class ResponsesAPI:
             self._remember(response.request, response, messages, output, body)
             for event in events.closing(body):
                 yield event
+            status = "ok"
         except EngineError as exc:
+            status = "error"
             yield events.event("error", {"code": "engine_error", "message": str(exc), "param": None})
         finally:
             await stream.aclose()
             self.client.abort(response.id)
+            self.metrics.on_request_end(ENDPOINT, status, [output] if status == "ok" else [])
 
     def _remember(self, request: ResponsesRequest, response: _Response, messages: list[dict[str, Any]],
                   final: RequestOutput, body: dict[str, Any]) -> None:

@@ -119,3 +119,23 @@ def test_bad_responses_requests_are_400s_naming_the_field(client):
         client.responses.create(model=MODEL_NAME, input=[{"type": "image_generation_call"}])
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="gpt-17", input="Hi")
+
+
+def _responses_count(client, status: str) -> float:
+    import urllib.request
+
+    root = str(client.base_url).rstrip("/").removesuffix("/v1")
+    wanted = f'nebula_requests_total{{endpoint="responses",status="{status}"}} '
+    with urllib.request.urlopen(f"{root}/metrics", timeout=30) as response:
+        lines = response.read().decode().splitlines()
+    return next((float(line.split()[-1]) for line in lines if line.startswith(wanted)), 0.0)
+
+
+def test_responses_are_counted_in_the_request_metrics(client):
+    ok, invalid = _responses_count(client, "ok"), _responses_count(client, "invalid")
+    client.responses.create(model=MODEL_NAME, input="Hi.", max_output_tokens=2, temperature=0)
+    list(client.responses.create(model=MODEL_NAME, input="Hi.", max_output_tokens=2, temperature=0, stream=True))
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="no-such-model", input="Hi.", max_output_tokens=2)
+    assert _responses_count(client, "ok") - ok == 2
+    assert _responses_count(client, "invalid") - invalid == 1
