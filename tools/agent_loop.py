@@ -15,13 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 import time
-import urllib.request
+
+from serve_process import free_port, start_server, stop_server
 
 ORDERS = {
     f"W{1000 + i}": {
@@ -47,39 +44,6 @@ TOOLS = [{"type": "function", "function": {
     "name": "get_order", "description": "Look up an order by its id (like W1000).",
     "parameters": {"type": "object", "properties": {"order_id": {"type": "string"}}, "required": ["order_id"]}}}]
 SYSTEM = "You are a support agent for an online shop. Use the get_order tool to look orders up. Be brief."
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_server(model: str, pic_backend: str, port: int, log_path: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "nebula_engine", "serve", "--model", model, "--port", str(port),
-               "--pic-backend", pic_backend, "--log-level", "warning"]
-    log = open(log_path, "w")
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited with {process.returncode}; see {log_path}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                return process
-        except OSError:
-            time.sleep(1)
-    stop_server(process)
-    raise RuntimeError(f"the server did not answer /health within 600 s; see {log_path}")
-
-
-def stop_server(process: subprocess.Popen) -> None:
-    os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
 
 
 def timed_turn(client, model: str, messages: list[dict], max_tokens: int) -> tuple[dict, float, dict]:
@@ -149,7 +113,8 @@ def main() -> int:
     results = {}
     for variant in (args.default_backend, "full", "none"):
         port = free_port()
-        server = start_server(args.model, variant, port, f"/tmp/agent_loop_{variant}.log")
+        server = start_server(["--model", args.model, "--pic-backend", variant], port,
+                              f"/tmp/agent_loop_{variant}.log")
         try:
             client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
             results[variant] = run_conversation(client, args.model, args.turns, args.max_tokens)

@@ -35,19 +35,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from serve_process import free_port, start_server, stop_server
+
 ROOT = Path(__file__).resolve().parents[1]
 CLIENT_TIMEOUT_S = 900
-SERVER_START_TIMEOUT_S = 600
 QUESTIONS = (  # (question, choices, index of the answer)
     ("What is the capital of France?", ("Paris", "Rome", "Berlin", "Madrid"), 0),
     ("How many legs does a spider have?", ("six", "eight", "ten", "four"), 1),
@@ -225,41 +223,6 @@ def client_main(name: str, url: str, model: str, workdir: Path) -> None:
 
 # ---- the driver (this checkout's environment) ----
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_server(model: str, port: int, log_path: Path) -> subprocess.Popen:
-    command = [sys.executable, "-m", "nebula_engine", "serve", "--model", model, "--port", str(port),
-               "--log-level", "warning"]
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
-    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited with {process.returncode}; see {log_path}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                return process
-        except OSError:
-            time.sleep(1)  # the model is loading; nothing to wait on but the port
-    stop_server(process)
-    raise RuntimeError(f"the server did not answer /health within {SERVER_START_TIMEOUT_S} s; see {log_path}")
-
-
-def stop_server(process: subprocess.Popen) -> None:
-    if process.poll() is not None:
-        return
-    os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-
-
 def served_model(url: str) -> str:
     with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as response:
         return json.loads(response.read())["data"][0]["id"]
@@ -382,7 +345,7 @@ def check(args: argparse.Namespace) -> None:
         save_tokenizer(model_arg, workdir / "tokenizer")
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        server = start_server(model_arg, port, workdir / "server.log")
+        server = start_server(["--model", model_arg], port, workdir / "server.log", cwd=ROOT)
         try:
             model = served_model(url)
             results = []
