@@ -5,8 +5,7 @@ so they mean the same whatever ``EngineClient`` serves them. Queue and prefill t
 (``RequestOutput.times``: arrival in the engine -> first scheduled -> first token), observed where the engine
 reports them; decode time runs from the first output to the last as the API sees them. Queue gauges and KV-cache
 usage are read from ``EngineClient.stats()`` at scrape time. The cluster adds its own series (transfer bytes,
-evictions, ...) with ``ServerMetrics.register``; ``RemoteReadCollector`` is the one for KV bytes read from other
-peers, by the tier the holder found them on.
+evictions, ...) with ``ServerMetrics.register``.
 
 The ``nebula:`` series carry vLLM's names and meanings (``vllm:time_to_first_token_seconds`` ->
 ``nebula:time_to_first_token_seconds``, ...) and a ``model_name`` label, so a vLLM dashboard charts them with the
@@ -16,10 +15,10 @@ prefix changed; PIC adds its own (``nebula:pic_*``). The older ``nebula_*`` seri
 from __future__ import annotations
 
 import time
-from typing import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from typing import AsyncIterator, Callable, Iterable, Sequence
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from nebula_engine.engine.async_engine import EngineStats
@@ -69,23 +68,6 @@ class _QueueCollector(Collector):
                                   labels=["model_name"])
         usage.add_metric([self._model_name], stats.kv_cache_usage)
         yield usage
-
-
-class RemoteReadCollector(Collector):
-    """``nebula:pic_remote_read_bytes{tier}``: KV bytes this peer read from other peers, by the tier (``device``,
-    ``host``, ``disk``) the holder found them on. ``read_bytes``: the running totals by tier, read at each scrape."""
-
-    def __init__(self, read_bytes: Callable[[], Mapping[str, int]], model_name: str):
-        self._read_bytes = read_bytes
-        self._model_name = model_name
-
-    def collect(self) -> Iterable[Metric]:
-        family = CounterMetricFamily("nebula:pic_remote_read_bytes",
-                                     "KV bytes read from other peers, by the tier the holder found them on.",
-                                     labels=["model_name", "tier"])
-        for tier, num_bytes in sorted(self._read_bytes().items()):
-            family.add_metric([self._model_name, tier], num_bytes)
-        yield family
 
 
 class _RequestSeries:

@@ -83,23 +83,19 @@ def test_pic_series_count_a_reused_segment(server):
     assert value(after, "nebula:pic_recomputed_tokens_total") >= value(before, "nebula:pic_recomputed_tokens_total")
 
 
-def test_kv_cache_usage_and_remote_reads_are_read_at_scrape_time():
+def test_kv_cache_usage_is_read_at_scrape_time():
     from nebula_engine.engine.async_engine import EngineStats
-    from nebula_engine.server.metrics import RemoteReadCollector, ServerMetrics
+    from nebula_engine.server.metrics import ServerMetrics
 
     stats = EngineStats(num_waiting=3, num_running=2, kv_cache_usage=0.25)
     metrics = ServerMetrics(lambda: stats, MODEL_NAME)
-    read = {"device": 4096, "host": 1024}
-    metrics.register(RemoteReadCollector(lambda: read, MODEL_NAME))
     text = metrics.render()[0].decode()
     snapshot = {(s.name, tuple(sorted(s.labels.items()))): s.value
                 for family in text_string_to_metric_families(text) for s in family.samples}
     assert value(snapshot, "nebula:kv_cache_usage_perc") == 0.25
     assert (value(snapshot, "nebula:num_requests_waiting"), value(snapshot, "nebula:num_requests_running")) == (3, 2)
-    assert value(snapshot, "nebula:pic_remote_read_bytes_total", tier="device") == 4096
-    read["host"] += 512
-    assert "nebula:pic_remote_read_bytes_total{model_name=\"tiny-qwen3\",tier=\"host\"} 1536.0" in \
-        metrics.render()[0].decode()
+    stats = EngineStats(num_waiting=0, num_running=1, kv_cache_usage=0.5)
+    assert "nebula:kv_cache_usage_perc{model_name=\"tiny-qwen3\"} 0.5" in metrics.render()[0].decode()
 
 
 def test_the_grafana_dashboard_charts_only_series_the_server_exposes(server):
