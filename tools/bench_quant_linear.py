@@ -8,7 +8,8 @@ types are the ones the two GGUF files use for each tensor; blocks are random wit
 through --cold-mb of distinct copies of the weight, as a decode step walks through a model too big for the caches.
 
 --sweep-rows times both quantized paths (streaming GEMV and panel GEMM) over row counts, to place
-``GEMM_MIN_ROWS``; --sweep-panels times the GEMM path over panel heights (``PANEL_ROWS``).
+``GEMM_MIN_ROWS``; --sweep-panels times the GEMM path over panel heights (``PANEL_ROWS``); --compare-paths times
+the kernel's instruction-set paths (portable, AVX2, AVX-512) against each other instead of against fp32.
 
     python tools/bench_quant_linear.py --threads 2
     python tools/bench_quant_linear.py --threads 2 --sweep-rows --sweep-panels --only qwen
@@ -49,6 +50,8 @@ def parse_args() -> argparse.Namespace:
                         help="also time the LM heads at 512 rows (a prefill computes logits of its last token only)")
     parser.add_argument("--sweep-rows", action="store_true", help="GEMV against panel GEMM over row counts")
     parser.add_argument("--sweep-panels", action="store_true", help="the GEMM path over panel heights")
+    parser.add_argument("--compare-paths", action="store_true",
+                        help="the kernel's paths (portable, AVX2, AVX-512: those this CPU runs) against each other")
     parser.add_argument("--cold-mb", type=int, default=256,
                         help="fp32 MiB of distinct weight copies each timing walks through (0: one hot copy)")
     return parser.parse_args()
@@ -160,6 +163,41 @@ def sweep_rows(args: argparse.Namespace) -> None:
         print(f"{model:8s} {layer:11s} {type_name:5s} " + "  ".join(cells), flush=True)
 
 
+def compare_paths(args: argparse.Namespace) -> None:
+    """The quantized kernel under each instruction set this CPU runs, same weights and x: ms, GB/s of weight read,
+    and each path's speed over the AVX2 one."""
+    import gguf
+
+    from nebula_engine.kernels import quant_linear
+    from nebula_engine.kernels.quant_linear import QuantizedWeight, quantized_linear
+
+    paths = quant_linear.instruction_sets()
+    print(f"{'model':8s} {'layer':11s} {'type':5s} {'rows':>4s} " + " ".join(f"{p + ' ms':>12s} {'GB/s':>5s}" for p in paths)
+          + "  " + " ".join(f"{p + '/avx2':>12s}" for p in paths if p != "avx2"))
+    for seed, (model, layer, rows, cols, type_name) in enumerate(SHAPES):
+        if args.only and model != args.only:
+            continue
+        qtype = gguf.GGMLQuantizationType[type_name]
+        weight = QuantizedWeight.from_numpy(random_blocks(qtype, rows, cols, seed), qtype, (rows, cols))
+        weights, _ = copies_of(weight, rows * cols * 4, args.cold_mb * 2**20)
+        with torch.no_grad():
+            for m in args.rows:
+                if m >= 512 and layer == "lm_head" and not args.prefill_lm_head:
+                    continue
+                x = torch.randn(m, cols)
+                seconds = {}
+                for path in paths:
+                    previous = quant_linear.set_instruction_set(path)
+                    seconds[path] = best_seconds(each(lambda w: quantized_linear(x, w), weights),
+                                                 args.repeats) / len(weights)
+                    quant_linear.set_instruction_set(previous)
+                cells = " ".join(f"{seconds[p] * 1e3:12.3f} {weight.nbytes / seconds[p] / 1e9:5.1f}" for p in paths)
+                ratios = " ".join(f"{seconds['avx2'] / seconds[p]:12.2f}" for p in paths if p != "avx2"
+                                  and "avx2" in seconds)
+                print(f"{model:8s} {layer:11s} {type_name:5s} {m:4d} {cells}  {ratios}", flush=True)
+        del weights
+
+
 def sweep_panels(args: argparse.Namespace) -> None:
     import gguf
 
@@ -189,7 +227,8 @@ def main() -> None:
     if not quant_linear.load():
         raise SystemExit("the quantized-linear kernel did not build (see the warning above)")
     copy, read = memory_bandwidth()
-    print(f"{torch.get_num_threads()} threads, AVX2 path: {quant_linear.has_simd()}; memory bandwidth (512 MiB "
+    paths = ", ".join(quant_linear.instruction_sets())
+    print(f"{torch.get_num_threads()} threads, kernel paths: {paths}; memory bandwidth (512 MiB "
           f"arrays): copy {copy:.1f} GB/s (read + write), read {read:.1f} GB/s (a sum)", flush=True)
     gemm_min_rows, panel_rows = quant_linear.GEMM_MIN_ROWS, quant_linear.PANEL_ROWS
     if args.sweep_rows:
@@ -197,7 +236,10 @@ def main() -> None:
     if args.sweep_panels:
         sweep_panels(args)
     quant_linear.GEMM_MIN_ROWS, quant_linear.PANEL_ROWS = gemm_min_rows, panel_rows
-    compare(args)
+    if args.compare_paths:
+        compare_paths(args)
+    else:
+        compare(args)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@
 // Every block type is read 32 values at a time (a "chunk": one Q4_0..Q8_0 block, one K-quant sub-block, 32 F16
 // values), dequantized as gguf.quants.dequantize does it. Few rows (decode) stream each chunk once from memory and
 // multiply it into every row of x while it sits in registers; many rows (prefill) dequantize a panel of W rows to an
-// fp32 tile and hand it to torch's GEMM. Compiled with AVX2/FMA/F16C where the CPU has them; the portable scalar
-// path is always compiled too and can be asked for (`simd` false), so tests cover both.
+// fp32 tile and hand it to torch's GEMM. Compiled with AVX2/FMA/F16C, and AVX-512 (F, BW, VL), where the CPU has
+// them; every path the build has can be asked for by its instruction set (`isa`), the portable scalar one always,
+// so tests cover each.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -20,6 +21,11 @@
 #define NEBULA_QUANT_SIMD 1
 #else
 #define NEBULA_QUANT_SIMD 0
+#endif
+#if NEBULA_QUANT_SIMD && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define NEBULA_QUANT_AVX512 1
+#else
+#define NEBULA_QUANT_AVX512 0
 #endif
 
 namespace {
@@ -380,6 +386,282 @@ void dequant_rows_simd(const uint8_t* data, int64_t row_bytes, int64_t chunks, f
 }
 #endif
 
+#if NEBULA_QUANT_AVX512
+// ---- AVX-512: chunk `c` of a row into w[0..1] (values 0-15, 16-31) ----
+// The same arithmetic as the AVX2 path, 16 lanes wide: each byte is widened straight to its int32 lane, so Q4's
+// two nibbles of a byte land in their own halves with one AND and one shift, and Q5's fifth bits are a mask.
+
+inline __m512 ints_to_floats(__m512i q) { return _mm512_cvtepi32_ps(q); }
+
+inline __m512i widen_u8(const uint8_t* p) {  // 16 unsigned bytes -> 16 int32 lanes
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// 16 bytes of packed nibbles -> the low nibbles (values 0-15) and the high ones (values 16-31)
+inline void nibbles_512(const uint8_t* qs, __m512i* q) {
+  const __m512i bytes = widen_u8(qs);
+  q[0] = _mm512_and_si512(bytes, _mm512_set1_epi32(15));
+  q[1] = _mm512_srli_epi32(bytes, 4);
+}
+
+inline void fifth_bits_512(uint32_t bits, __m512i* q) {
+  const __m512i sixteen = _mm512_set1_epi32(16);
+  q[0] = _mm512_mask_or_epi32(q[0], static_cast<__mmask16>(bits & 0xffffu), q[0], sixteen);
+  q[1] = _mm512_mask_or_epi32(q[1], static_cast<__mmask16>(bits >> 16), q[1], sixteen);
+}
+
+inline void scale_512(__m512* w, float d) {
+  const __m512 dv = _mm512_set1_ps(d);
+  w[0] = _mm512_mul_ps(dv, w[0]);
+  w[1] = _mm512_mul_ps(dv, w[1]);
+}
+
+inline void scale_and_shift_512(__m512* w, float d, float m) {
+  const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(m);
+  w[0] = _mm512_fmadd_ps(dv, w[0], mv);
+  w[1] = _mm512_fmadd_ps(dv, w[1], mv);
+}
+
+inline void signed_bytes_to_floats_512(__m256i q, __m512* w) {  // 32 signed bytes
+  w[0] = ints_to_floats(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
+  w[1] = ints_to_floats(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
+}
+
+template <int64_t QT>
+inline void dequant_chunk_512(const uint8_t* row, int64_t c, __m512* w) {
+  if constexpr (QT == kF32) {
+    const float* p = reinterpret_cast<const float*>(row) + c * kChunk;
+    w[0] = _mm512_loadu_ps(p);
+    w[1] = _mm512_loadu_ps(p + 16);
+  } else if constexpr (QT == kF16) {
+    const uint8_t* p = row + c * kChunk * 2;
+    w[0] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    w[1] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
+  } else if constexpr (QT == kBF16) {
+    const uint8_t* p = row + c * kChunk * 2;
+    for (int v = 0; v < 2; ++v)
+      w[v] = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * v))), 16));
+  } else if constexpr (QT == kQ4_0 || QT == kQ4_1) {
+    const uint8_t* b = row + c * (QT == kQ4_0 ? 18 : 20);
+    __m512i q[2];
+    nibbles_512(b + (QT == kQ4_0 ? 2 : 4), q);
+    if constexpr (QT == kQ4_0) {
+      for (int v = 0; v < 2; ++v) w[v] = ints_to_floats(_mm512_sub_epi32(q[v], _mm512_set1_epi32(8)));
+      scale_512(w, half_f16c(b));
+    } else {
+      for (int v = 0; v < 2; ++v) w[v] = ints_to_floats(q[v]);
+      scale_and_shift_512(w, half_f16c(b), half_f16c(b + 2));
+    }
+  } else if constexpr (QT == kQ5_0 || QT == kQ5_1) {
+    const uint8_t* b = row + c * (QT == kQ5_0 ? 22 : 24);
+    __m512i q[2];
+    nibbles_512(b + (QT == kQ5_0 ? 6 : 8), q);
+    fifth_bits_512(load_u32(b + (QT == kQ5_0 ? 2 : 4)), q);
+    if constexpr (QT == kQ5_0) {
+      for (int v = 0; v < 2; ++v) w[v] = ints_to_floats(_mm512_sub_epi32(q[v], _mm512_set1_epi32(16)));
+      scale_512(w, half_f16c(b));
+    } else {
+      for (int v = 0; v < 2; ++v) w[v] = ints_to_floats(q[v]);
+      scale_and_shift_512(w, half_f16c(b), half_f16c(b + 2));
+    }
+  } else if constexpr (QT == kQ8_0) {
+    const uint8_t* b = row + c * 34;
+    signed_bytes_to_floats_512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)), w);
+    scale_512(w, half_f16c(b));
+  } else if constexpr (QT == kQ4_K || QT == kQ5_K) {
+    const int64_t s = c & 7;
+    const uint8_t* b = row + (c >> 3) * (QT == kQ4_K ? 144 : 176);
+    int sc, mn;
+    kquant_scale_min(b + 4, s, sc, mn);
+    const uint8_t* qs = b + (QT == kQ4_K ? 16 : 48) + (s >> 1) * 32;
+    const __m128i shift = _mm_cvtsi32_si128(static_cast<int>((s & 1) * 4));
+    __m512i q[2];
+    for (int v = 0; v < 2; ++v)
+      q[v] = _mm512_and_si512(_mm512_srl_epi32(widen_u8(qs + 16 * v), shift), _mm512_set1_epi32(15));
+    if constexpr (QT == kQ5_K) {
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+      fifth_bits_512(static_cast<uint32_t>(_mm256_test_epi8_mask(qh, _mm256_set1_epi8(static_cast<char>(1 << s)))),
+                     q);
+    }
+    for (int v = 0; v < 2; ++v) w[v] = ints_to_floats(q[v]);
+    scale_and_shift_512(w, half_f16c(b) * static_cast<float>(sc), -(half_f16c(b + 2) * static_cast<float>(mn)));
+  } else if constexpr (QT == kQ6_K) {
+    // bytes first, 32 at a time as the AVX2 path does, then widened
+    const int64_t s = c & 7;
+    const uint8_t* b = row + (c >> 3) * 210;
+    const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (s >> 2) * 64 + (s & 1) * 32));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + (s >> 2) * 32));
+    const __m256i low = _mm256_and_si256(_mm256_srl_epi16(ql, _mm_cvtsi32_si128(static_cast<int>(((s >> 1) & 1) * 4))),
+                                         _mm256_set1_epi8(15));
+    const __m256i high = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(static_cast<int>((s & 3) * 2))),
+                                          _mm256_set1_epi8(3));
+    signed_bytes_to_floats_512(_mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set1_epi8(32)),
+                               w);
+    const float d = half_f16c(b + 208);
+    const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+    w[0] = _mm512_mul_ps(_mm512_set1_ps(d * static_cast<float>(scales[2 * s])), w[0]);
+    w[1] = _mm512_mul_ps(_mm512_set1_ps(d * static_cast<float>(scales[2 * s + 1])), w[1]);
+  }
+}
+
+// As row_times_tile: one W row against MT rows of x, each row with an accumulator per half of a chunk (indices
+// known at compile time, so they stay in registers).
+template <int64_t QT, int MT>
+inline void row_times_tile_512(const uint8_t* row, int64_t chunks, const float* x, int64_t ldx, float* sums,
+                               int64_t ahead, int64_t stride) {
+  constexpr int kAcc = 2;
+  __m512 acc[MT][kAcc];
+  for (int m = 0; m < MT; ++m)
+    for (int a = 0; a < kAcc; ++a) acc[m][a] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) {
+    if (ahead > 0) _mm_prefetch(reinterpret_cast<const char*>(row + c * stride + ahead), _MM_HINT_T0);
+    __m512 w[2];
+    dequant_chunk_512<QT>(row, c, w);
+    for (int m = 0; m < MT; ++m) {
+      const float* xm = x + m * ldx + c * kChunk;
+      for (int v = 0; v < 2; ++v) acc[m][v] = _mm512_fmadd_ps(w[v], _mm512_loadu_ps(xm + 16 * v), acc[m][v]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    __m512 total = acc[m][0];
+    for (int a = 1; a < kAcc; ++a) total = _mm512_add_ps(total, acc[m][a]);
+    sums[m] = _mm512_reduce_add_ps(total);
+  }
+}
+
+// Types whose one-row dot product factors out the chunk's scale (and min): sum_j (d q_j + m) x_j is computed as
+// d * sum_j q_j x_j + m * sum_j x_j, the sums of x a chunk precomputed once per call. A chunk then costs 3 vector
+// FMAs and one broadcast instead of 4 FMAs and two broadcasts; the 512-bit path runs on two ports, and these ops
+// were most of a chunk's time (one row of Q4_1 at ~10 cycles a chunk, as with AVX2, before this).
+template <int64_t QT>
+constexpr bool kFactored = QT == kQ4_0 || QT == kQ4_1 || QT == kQ5_0 || QT == kQ5_1 || QT == kQ8_0 || QT == kQ4_K ||
+                           QT == kQ5_K;
+
+// The chunk's quants q (as floats, offsets such as Q4_0's -8 applied), its scale d in lane 0 and, for the types
+// with one, its min m in lane 1 (other types leave lane 1 undefined)
+template <int64_t QT>
+constexpr bool kHasMin = QT == kQ4_1 || QT == kQ5_1 || QT == kQ4_K || QT == kQ5_K;
+
+template <int64_t QT>
+inline void quants_512(const uint8_t* row, int64_t c, __m512* q, __m128& dm) {
+  if constexpr (QT == kQ4_0 || QT == kQ4_1 || QT == kQ5_0 || QT == kQ5_1) {
+    constexpr int64_t kBytes = QT == kQ4_0 ? 18 : QT == kQ4_1 ? 20 : QT == kQ5_0 ? 22 : 24;
+    constexpr bool kMin = QT == kQ4_1 || QT == kQ5_1;
+    const uint8_t* b = row + c * kBytes;
+    __m512i qi[2];
+    nibbles_512(b + (QT == kQ4_0 ? 2 : QT == kQ4_1 ? 4 : QT == kQ5_0 ? 6 : 8), qi);
+    if constexpr (QT == kQ5_0) {  // nibble | bit << 4, less 16: the nibble, less 16 where the bit is clear
+      const uint32_t clear = ~load_u32(b + 2);
+      const __m512i sixteen = _mm512_set1_epi32(16);
+      qi[0] = _mm512_mask_sub_epi32(qi[0], static_cast<__mmask16>(clear & 0xffffu), qi[0], sixteen);
+      qi[1] = _mm512_mask_sub_epi32(qi[1], static_cast<__mmask16>(clear >> 16), qi[1], sixteen);
+    } else if constexpr (QT == kQ5_1) {
+      fifth_bits_512(load_u32(b + 4), qi);
+    } else if constexpr (QT == kQ4_0) {
+      for (int v = 0; v < 2; ++v) qi[v] = _mm512_sub_epi32(qi[v], _mm512_set1_epi32(8));
+    }
+    for (int v = 0; v < 2; ++v) q[v] = ints_to_floats(qi[v]);
+    // d and m are the block's first two halves: one 32-bit load, one conversion (a lone d's second half ignored)
+    dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(load_u32(b))));
+  } else if constexpr (QT == kQ8_0) {
+    const uint8_t* b = row + c * 34;
+    signed_bytes_to_floats_512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)), q);
+    dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(load_u32(b))));
+  } else if constexpr (QT == kQ4_K || QT == kQ5_K) {
+    const int64_t s = c & 7;
+    const uint8_t* b = row + (c >> 3) * (QT == kQ4_K ? 144 : 176);
+    int sc, mn;
+    kquant_scale_min(b + 4, s, sc, mn);
+    const uint8_t* qs = b + (QT == kQ4_K ? 16 : 48) + (s >> 1) * 32;
+    const __m128i shift = _mm_cvtsi32_si128(static_cast<int>((s & 1) * 4));
+    __m512i qi[2];
+    for (int v = 0; v < 2; ++v)
+      qi[v] = _mm512_and_si512(_mm512_srl_epi32(widen_u8(qs + 16 * v), shift), _mm512_set1_epi32(15));
+    if constexpr (QT == kQ5_K) {
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+      fifth_bits_512(static_cast<uint32_t>(_mm256_test_epi8_mask(qh, _mm256_set1_epi8(static_cast<char>(1 << s)))),
+                     qi);
+    }
+    for (int v = 0; v < 2; ++v) q[v] = ints_to_floats(qi[v]);
+    dm = _mm_set_ps(0.f, 0.f, -(half_f16c(b + 2) * static_cast<float>(mn)), half_f16c(b) * static_cast<float>(sc));
+  }
+}
+
+// One W row of a factored type against one x row; x_sums[c] is the sum of the x row's chunk c
+template <int64_t QT>
+inline float row_dot_factored_512(const uint8_t* row, int64_t chunks, const float* x, const float* x_sums,
+                                  int64_t ahead, int64_t stride) {
+  __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();  // two chains, so the FMAs overlap
+  __m128 mins = _mm_setzero_ps();
+  const auto step = [&](int64_t c, __m512& acc) {
+    if (ahead > 0) _mm_prefetch(reinterpret_cast<const char*>(row + c * stride + ahead), _MM_HINT_T0);
+    __m512 q[2];
+    __m128 dm;
+    quants_512<QT>(row, c, q, dm);
+    const float* xc = x + c * kChunk;
+    const __m512 dot = _mm512_fmadd_ps(q[1], _mm512_loadu_ps(xc + 16), _mm512_mul_ps(q[0], _mm512_loadu_ps(xc)));
+    acc = _mm512_fmadd_ps(_mm512_broadcastss_ps(dm), dot, acc);
+    if constexpr (kHasMin<QT>) mins = _mm_fmadd_ps(_mm_movehdup_ps(dm), _mm_set_ss(x_sums[c]), mins);  // m sum(x)
+  };
+  int64_t c = 0;
+  for (; c + 1 < chunks; c += 2) {
+    step(c, even);
+    step(c + 1, odd);
+  }
+  if (c < chunks) step(c, even);
+  return _mm512_reduce_add_ps(_mm512_add_ps(even, odd)) + _mm_cvtss_f32(mins);
+}
+
+template <int64_t QT>
+void gemv_512(const uint8_t* data, int64_t row_bytes, int64_t chunks, const float* x, int64_t rows_x, int64_t ldx,
+              const float* bias, float* out, int64_t ldy, int64_t begin, int64_t end) {
+  if constexpr (kFactored<QT>) {
+    if (rows_x == 1) {
+      std::vector<float> x_sums(chunks);
+      for (int64_t c = 0; c < chunks; ++c)
+        x_sums[c] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(x + c * kChunk), _mm512_loadu_ps(x + c * kChunk + 16)));
+      const int64_t stride = row_bytes / chunks;
+      for (int64_t n = begin; n < end; ++n)
+        out[n] = row_dot_factored_512<QT>(data + n * row_bytes, chunks, x, x_sums.data(), kPrefetchBytes, stride) +
+                 (bias != nullptr ? bias[n] : 0.f);
+      return;
+    }
+  }
+  float sums[8];
+  const int64_t stride = row_bytes / chunks;
+  for (int64_t n = begin; n < end; ++n) {
+    const uint8_t* row = data + n * row_bytes;
+    const float b = bias != nullptr ? bias[n] : 0.f;
+    for (int64_t m0 = 0; m0 < rows_x;) {
+      const int64_t left = rows_x - m0, tile = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+      const float* xm = x + m0 * ldx;
+      const int64_t ahead = m0 == 0 ? kPrefetchBytes : 0;
+      if (tile == 8) row_times_tile_512<QT, 8>(row, chunks, xm, ldx, sums, ahead, stride);
+      else if (tile == 4) row_times_tile_512<QT, 4>(row, chunks, xm, ldx, sums, ahead, stride);
+      else if (tile == 2) row_times_tile_512<QT, 2>(row, chunks, xm, ldx, sums, ahead, stride);
+      else row_times_tile_512<QT, 1>(row, chunks, xm, ldx, sums, ahead, stride);
+      for (int64_t m = 0; m < tile; ++m) out[(m0 + m) * ldy + n] = sums[m] + b;
+      m0 += tile;
+    }
+  }
+}
+
+template <int64_t QT>
+void dequant_rows_512(const uint8_t* data, int64_t row_bytes, int64_t chunks, float* out, int64_t begin,
+                      int64_t end) {
+  for (int64_t n = begin; n < end; ++n) {
+    float* dest = out + (n - begin) * chunks * kChunk;
+    for (int64_t c = 0; c < chunks; ++c) {
+      __m512 w[2];
+      dequant_chunk_512<QT>(data + n * row_bytes, c, w);
+      _mm512_storeu_ps(dest + c * kChunk, w[0]);
+      _mm512_storeu_ps(dest + c * kChunk + 16, w[1]);
+    }
+  }
+}
+#endif
+
 using GemvFn = void (*)(const uint8_t*, int64_t, int64_t, const float*, int64_t, int64_t, const float*, float*,
                         int64_t, int64_t, int64_t);
 using DequantFn = void (*)(const uint8_t*, int64_t, int64_t, float*, int64_t, int64_t);
@@ -389,28 +671,36 @@ struct Kernels {
   DequantFn dequant;
 };
 
+// The instruction sets a build can run its kernels with: the portable C++ always, then what it was compiled for.
+enum Isa : int64_t { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
+constexpr int64_t kBestIsa = NEBULA_QUANT_AVX512 ? kAvx512 : NEBULA_QUANT_SIMD ? kAvx2 : kPortable;
+
 template <int64_t QT>
-Kernels kernels_for(bool simd) {
-#if NEBULA_QUANT_SIMD
-  if (simd) return {gemv_simd<QT>, dequant_rows_simd<QT>};
+Kernels kernels_for(int64_t isa) {
+  TORCH_CHECK(isa >= kPortable && isa <= kBestIsa, "quant_linear: instruction set ", isa,
+              " is not in this build (best: ", kBestIsa, ", see quant_isa())");
+#if NEBULA_QUANT_AVX512
+  if (isa == kAvx512) return {gemv_512<QT>, dequant_rows_512<QT>};
 #endif
-  TORCH_CHECK(!simd, "quant_linear: this build has no AVX2 path (see quant_simd())");
+#if NEBULA_QUANT_SIMD
+  if (isa == kAvx2) return {gemv_simd<QT>, dequant_rows_simd<QT>};
+#endif
   return {gemv_scalar<QT>, dequant_rows_scalar<QT>};
 }
 
-Kernels kernels_of(int64_t qtype, bool simd) {
+Kernels kernels_of(int64_t qtype, int64_t isa) {
   switch (qtype) {
-    case kF32: return kernels_for<kF32>(simd);
-    case kF16: return kernels_for<kF16>(simd);
-    case kBF16: return kernels_for<kBF16>(simd);
-    case kQ4_0: return kernels_for<kQ4_0>(simd);
-    case kQ4_1: return kernels_for<kQ4_1>(simd);
-    case kQ5_0: return kernels_for<kQ5_0>(simd);
-    case kQ5_1: return kernels_for<kQ5_1>(simd);
-    case kQ8_0: return kernels_for<kQ8_0>(simd);
-    case kQ4_K: return kernels_for<kQ4_K>(simd);
-    case kQ5_K: return kernels_for<kQ5_K>(simd);
-    case kQ6_K: return kernels_for<kQ6_K>(simd);
+    case kF32: return kernels_for<kF32>(isa);
+    case kF16: return kernels_for<kF16>(isa);
+    case kBF16: return kernels_for<kBF16>(isa);
+    case kQ4_0: return kernels_for<kQ4_0>(isa);
+    case kQ4_1: return kernels_for<kQ4_1>(isa);
+    case kQ5_0: return kernels_for<kQ5_0>(isa);
+    case kQ5_1: return kernels_for<kQ5_1>(isa);
+    case kQ8_0: return kernels_for<kQ8_0>(isa);
+    case kQ4_K: return kernels_for<kQ4_K>(isa);
+    case kQ5_K: return kernels_for<kQ5_K>(isa);
+    case kQ6_K: return kernels_for<kQ6_K>(isa);
   }
   TORCH_CHECK(false, "quant_linear: ggml type ", qtype, " is not supported");
 }
@@ -438,7 +728,7 @@ void dequantize_panel(const Kernels& kernels, const uint8_t* data, int64_t row_b
 // x [M, K] fp32, parts [N_i, row bytes] uint8 of ggml types qtypes[i] (their rows stacked make W [N, K]), bias [N]
 // or undefined; writes out [M, N]. M >= gemm_min_rows: panels of panel_rows W rows through at::mm, else the GEMV.
 void quant_linear(const at::Tensor& x, at::TensorList parts, at::IntArrayRef qtypes,
-                  const c10::optional<at::Tensor>& bias, int64_t gemm_min_rows, int64_t panel_rows, bool simd,
+                  const c10::optional<at::Tensor>& bias, int64_t gemm_min_rows, int64_t panel_rows, int64_t isa,
                   at::Tensor& out) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(),
               "quant_linear: x must be a contiguous fp32 CPU tensor [M, K]");
@@ -466,7 +756,7 @@ void quant_linear(const at::Tensor& x, at::TensorList parts, at::IntArrayRef qty
     at::Tensor tile = at::empty({std::min(panel_rows, n_total), k}, x.options());
     int64_t column = 0;
     for (size_t i = 0; i < parts.size(); ++i) {
-      const Kernels kernels = kernels_of(qtypes[i], simd);
+      const Kernels kernels = kernels_of(qtypes[i], isa);
       const int64_t rows = parts[i].size(0), row_bytes = parts[i].size(1);
       for (int64_t first = 0; first < rows; first += panel_rows) {
         const int64_t count = std::min(panel_rows, rows - first);
@@ -486,7 +776,7 @@ void quant_linear(const at::Tensor& x, at::TensorList parts, at::IntArrayRef qty
   std::vector<Kernels> kernels;
   for (size_t i = 0; i < parts.size(); ++i) {
     starts.push_back(starts.back() + parts[i].size(0));
-    kernels.push_back(kernels_of(qtypes[i], simd));
+    kernels.push_back(kernels_of(qtypes[i], isa));
   }
   at::parallel_for(0, n_total, 1, [&](int64_t begin, int64_t end) {
     for (size_t i = 0; i < parts.size(); ++i) {
@@ -500,23 +790,23 @@ void quant_linear(const at::Tensor& x, at::TensorList parts, at::IntArrayRef qty
 }
 
 // rows [N, row bytes] of ggml type qtype -> out [N, K] fp32
-void quant_dequantize(const at::Tensor& rows, int64_t qtype, bool simd, at::Tensor& out) {
+void quant_dequantize(const at::Tensor& rows, int64_t qtype, int64_t isa, at::Tensor& out) {
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.is_contiguous() && out.size(0) == rows.size(0),
               "quant_dequantize: out must be a contiguous fp32 tensor [N, K]");
   check_part(rows, qtype, out.size(1));
-  dequantize_panel(kernels_of(qtype, simd), rows.data_ptr<uint8_t>(), rows.size(1), out.size(1) / kChunk, 0,
+  dequantize_panel(kernels_of(qtype, isa), rows.data_ptr<uint8_t>(), rows.size(1), out.size(1) / kChunk, 0,
                    rows.size(0), out.data_ptr<float>());
 }
 
-bool quant_simd() { return NEBULA_QUANT_SIMD; }
+int64_t quant_isa() { return kBestIsa; }
 
 }  // namespace
 
 TORCH_LIBRARY(nebula_quant, m) {
-  m.def("linear(Tensor x, Tensor[] parts, int[] qtypes, Tensor? bias, int gemm_min_rows, int panel_rows, bool simd, "
+  m.def("linear(Tensor x, Tensor[] parts, int[] qtypes, Tensor? bias, int gemm_min_rows, int panel_rows, int isa, "
         "Tensor(a!) out) -> ()");
-  m.def("dequantize(Tensor rows, int qtype, bool simd, Tensor(a!) out) -> ()");
-  m.def("simd() -> bool", quant_simd);
+  m.def("dequantize(Tensor rows, int qtype, int isa, Tensor(a!) out) -> ()");
+  m.def("isa() -> int", quant_isa);
 }
 
 TORCH_LIBRARY_IMPL(nebula_quant, CPU, m) {

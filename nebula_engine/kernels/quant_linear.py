@@ -9,7 +9,7 @@ of them; from ``GEMM_MIN_ROWS`` rows on, panels of ``PANEL_ROWS`` weight rows ar
 torch's GEMM multiplies. ``tools/bench_quant_linear.py`` measures both against fp32 ``F.linear``.
 
 The kernel is compiled on first use by torch's ``cpp_extension`` into its extension cache (``TORCH_EXTENSIONS_DIR``,
-default ``~/.cache/torch_extensions``), with AVX2/FMA/F16C where this CPU has them, else as portable C++. It runs
+default ``~/.cache/torch_extensions``), with AVX2/FMA/F16C and AVX-512 where this CPU has them, else as portable C++. It runs
 on torch's own OpenMP pool (``at::parallel_for``, ``torch.get_num_threads()`` threads). Without a C++ compiler or
 ninja, or with ``NEBULA_CPU_KERNELS=0``, ``load()`` is False and the GGUF loader dequantizes at load instead. Only
 CPU: on other devices the weights are dequantized at load.
@@ -23,6 +23,7 @@ import os
 import threading
 import warnings
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -64,8 +65,10 @@ _CHUNK = 32  # the kernel reads every type 32 values at a time
 _LOCK = threading.Lock()
 _LOADED: bool | None = None  # None: not tried yet
 _ENABLED = os.environ.get(KERNELS_ENV, "1") != "0"
-_SIMD: bool | None = None  # None: whatever the build has
-_BUILT_SIMD = False  # the loaded build has its AVX2 path (read once at load, not on every call)
+# the kernel's paths by instruction set, in the order of the C++ ``Isa`` ids: a build has a prefix of them
+INSTRUCTION_SETS = ("portable", "avx2", "avx512")
+_ISA: int | None = None  # None: the best the build has
+_BUILT_ISA = 0  # the best path of the loaded build (read once at load, not on every call)
 
 
 def computes(qtype: int, in_features: int) -> bool:
@@ -116,6 +119,11 @@ class QuantizedWeight:
     def numel(self) -> int:
         return self.shape[0] * self.shape[1]
 
+    @cached_property
+    def kernel_operands(self) -> tuple[list[torch.Tensor], list[int]]:
+        """The kernel's ``parts`` and ``qtypes`` arguments, built once (a decode step passes them ~150 times)."""
+        return [self.data], [int(self.qtype)]
+
     def dequantize(self) -> torch.Tensor:
         """W as fp32 [N, K], by ``gguf.quants.dequantize`` (the reference the kernel is tested against)."""
         from gguf.quants import dequantize
@@ -135,7 +143,7 @@ class StackedQuantizedWeight:
         if not self.parts or len({part.shape[1] for part in self.parts}) != 1:
             raise ValueError("stacked weights need at least one part, all with the same in-features")
 
-    @property
+    @cached_property
     def shape(self) -> tuple[int, int]:
         return sum(part.shape[0] for part in self.parts), self.parts[0].shape[1]
 
@@ -146,6 +154,11 @@ class StackedQuantizedWeight:
     def numel(self) -> int:
         return self.shape[0] * self.shape[1]
 
+    @cached_property
+    def kernel_operands(self) -> tuple[list[torch.Tensor], list[int]]:
+        """As ``QuantizedWeight.kernel_operands``: every part's blocks and type, in row order."""
+        return [part.data for part in self.parts], [int(part.qtype) for part in self.parts]
+
     def dequantize(self) -> torch.Tensor:
         return torch.cat([part.dequantize() for part in self.parts])
 
@@ -154,13 +167,16 @@ AnyQuantizedWeight = QuantizedWeight | StackedQuantizedWeight
 
 
 def _simd_flags() -> list[str]:
-    """AVX2 code only for a CPU that runs it: the flags from /proc/cpuinfo, else torch's own CPU check."""
+    """SIMD code only for a CPU that runs it: the flags from /proc/cpuinfo, else torch's own CPU check."""
     flags = set(cpu_flags_line().partition(":")[2].split())
     if flags:
-        has_simd = {"avx2", "fma", "f16c"} <= flags
+        has_avx2 = {"avx2", "fma", "f16c"} <= flags
+        has_avx512 = has_avx2 and {"avx512f", "avx512bw", "avx512vl"} <= flags
     else:
-        has_simd = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-    return ["-mavx2", "-mfma", "-mf16c"] if has_simd else []
+        capability = torch.backends.cpu.get_cpu_capability()
+        has_avx2, has_avx512 = capability in ("AVX2", "AVX512"), capability == "AVX512"
+    return (["-mavx2", "-mfma", "-mf16c"] if has_avx2 else []) + (
+        ["-mavx512f", "-mavx512bw", "-mavx512vl"] if has_avx512 else [])
 
 
 def _build_and_load() -> None:
@@ -173,7 +189,7 @@ def _build_and_load() -> None:
 def load() -> bool:
     """Build (once per machine) and load the kernel; True when ``torch.ops.nebula_quant`` is usable. A failure (or
     ``NEBULA_CPU_KERNELS=0``) is logged once and False is returned from then on."""
-    global _LOADED, _BUILT_SIMD
+    global _LOADED, _BUILT_ISA
     if _LOADED is not None:
         return _LOADED
     with _LOCK:
@@ -184,7 +200,7 @@ def load() -> bool:
             return _LOADED
         try:
             _build_and_load()
-            _BUILT_SIMD = bool(torch.ops.nebula_quant.simd())
+            _BUILT_ISA = int(torch.ops.nebula_quant.isa())
             _LOADED = True
         except Exception as error:  # no compiler, no ninja, a read-only cache: weights are dequantized at load
             logger.warning("CPU quantized-linear kernel unavailable, GGUF weights are dequantized at load: %s",
@@ -193,23 +209,21 @@ def load() -> bool:
     return _LOADED
 
 
-def has_simd() -> bool:
-    """Whether the loaded kernel was built with its AVX2 path."""
-    return load() and _BUILT_SIMD
+def instruction_sets() -> tuple[str, ...]:
+    """The paths the loaded kernel has, portable first and best last (empty when it did not load)."""
+    return INSTRUCTION_SETS[:_BUILT_ISA + 1] if load() else ()
 
 
-def set_simd(enabled: bool | None) -> bool | None:
-    """Force the AVX2 path on (True) or the portable one (False), or let the build decide (None); returns the
-    previous setting. The portable path is there for CPUs without AVX2, and for tests."""
-    global _SIMD
-    if enabled and not has_simd():
-        raise RuntimeError("the quantized-linear kernel was built without its AVX2 path (this CPU lacks AVX2/FMA/F16C)")
-    previous, _SIMD = _SIMD, enabled
+def set_instruction_set(name: str | None) -> str | None:
+    """Force one path of the kernel (a name of ``instruction_sets()``), or let the build pick its best (None);
+    returns the previous setting. The slower paths are there for CPUs without the faster ones, and for tests."""
+    global _ISA
+    if name is not None and name not in instruction_sets():
+        raise RuntimeError(f"the quantized-linear kernel has no {name!r} path on this CPU; it has "
+                           f"{', '.join(instruction_sets()) or 'none (it did not load)'}")
+    previous = None if _ISA is None else INSTRUCTION_SETS[_ISA]
+    _ISA = None if name is None else INSTRUCTION_SETS.index(name)
     return previous
-
-
-def _parts(weight: AnyQuantizedWeight) -> tuple[QuantizedWeight, ...]:
-    return weight.parts if isinstance(weight, StackedQuantizedWeight) else (weight,)
 
 
 def quantized_linear(x: torch.Tensor, weight: AnyQuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -221,13 +235,11 @@ def quantized_linear(x: torch.Tensor, weight: AnyQuantizedWeight, bias: torch.Te
     if (x.device.type != "cpu" or x.dtype != torch.float32 or (torch.is_grad_enabled() and x.requires_grad)
             or not load()):
         return quantized_linear_reference(x, weight, bias)
-    rows = x.reshape(-1, in_features).contiguous()
+    rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, in_features).contiguous()
     out = rows.new_empty(rows.shape[0], out_features)
-    parts = _parts(weight)
-    simd = _BUILT_SIMD if _SIMD is None else _SIMD
-    torch.ops.nebula_quant.linear(rows, [part.data for part in parts], [int(part.qtype) for part in parts],
-                                  None if bias is None else bias.detach().contiguous(), GEMM_MIN_ROWS, PANEL_ROWS,
-                                  simd, out)
+    blocks, qtypes = weight.kernel_operands
+    torch.ops.nebula_quant.linear(rows, blocks, qtypes, None if bias is None else bias.detach().contiguous(),
+                                  GEMM_MIN_ROWS, PANEL_ROWS, _BUILT_ISA if _ISA is None else _ISA, out)
     return out.view(*x.shape[:-1], out_features)
 
 
@@ -242,6 +254,5 @@ def dequantize(weight: QuantizedWeight) -> torch.Tensor:
     if not load():
         return weight.dequantize()
     out = torch.empty(weight.shape)
-    simd = _BUILT_SIMD if _SIMD is None else _SIMD
-    torch.ops.nebula_quant.dequantize(weight.data, int(weight.qtype), simd, out)
+    torch.ops.nebula_quant.dequantize(weight.data, int(weight.qtype), _BUILT_ISA if _ISA is None else _ISA, out)
     return out

@@ -1,5 +1,6 @@
 """The quantized-linear CPU kernel against its referee, ``gguf.quants.dequantize`` then an fp32 matmul: every block
-type, random blocks, both the AVX2 and the portable path, the streaming GEMV and the panel GEMM, stacked parts."""
+type, random blocks, every path the CPU runs (portable, AVX2, AVX-512), the streaming GEMV and the panel GEMM,
+stacked parts."""
 
 import shutil
 
@@ -20,7 +21,7 @@ BLOCK_TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q
 # byte offsets of each block's fp16 scales (d, and the min or dmin where the type has one)
 SCALE_OFFSETS = {Q.Q4_0: (0,), Q.Q5_0: (0,), Q.Q8_0: (0,), Q.Q4_1: (0, 2), Q.Q5_1: (0, 2), Q.Q4_K: (0, 2),
                  Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
-PATHS = [True, False]  # the AVX2 path (where built), the portable one
+PATHS = list(quant_linear.INSTRUCTION_SETS)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -28,13 +29,13 @@ def kernel_loaded():
     assert quant_linear.load(), "the kernel did not build on a machine with a C++ compiler (see the log)"
 
 
-@pytest.fixture(params=PATHS, ids=["simd", "portable"])
-def simd(request):
-    if request.param and not quant_linear.has_simd():
-        pytest.skip("this CPU has no AVX2/FMA/F16C")
-    previous = quant_linear.set_simd(request.param)
+@pytest.fixture(params=PATHS)
+def kernel_path(request):
+    if request.param not in quant_linear.instruction_sets():
+        pytest.skip(f"this CPU has no {request.param} path")
+    previous = quant_linear.set_instruction_set(request.param)
     yield request.param
-    quant_linear.set_simd(previous)
+    quant_linear.set_instruction_set(previous)
 
 
 def random_blocks(qtype, rows: int, cols: int, seed: int) -> np.ndarray:
@@ -79,7 +80,7 @@ def k_for(qtype, multiple: int) -> int:
 
 
 @pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda q: q.name)
-def test_kernel_dequantizes_exactly_as_the_referee(qtype, simd):
+def test_kernel_dequantizes_exactly_as_the_referee(qtype, kernel_path):
     weight = weight_of(qtype, 7, k_for(qtype, 3), seed=int(qtype))
     assert torch.equal(quant_linear.dequantize(weight), weight.dequantize())
 
@@ -88,7 +89,7 @@ def test_kernel_dequantizes_exactly_as_the_referee(qtype, simd):
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(rows=st.integers(1, quant_linear.GEMM_MIN_ROWS + 12), multiple=st.integers(1, 3),
        out_features=st.integers(1, 37), with_bias=st.booleans(), seed=st.integers(0, 2**16))
-def test_random_blocks_match_the_referee(qtype, simd, rows, multiple, out_features, with_bias, seed):
+def test_random_blocks_match_the_referee(qtype, kernel_path, rows, multiple, out_features, with_bias, seed):
     """Rows from 1 to past GEMM_MIN_ROWS cover the GEMV's tiles of 8/4/2/1 rows and the panel-GEMM path."""
     in_features = k_for(qtype, multiple)
     weight = weight_of(qtype, out_features, in_features, seed)
@@ -101,7 +102,7 @@ def test_random_blocks_match_the_referee(qtype, simd, rows, multiple, out_featur
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0], ids=lambda q: q.name)
 @pytest.mark.parametrize("rows", [1, 5, quant_linear.GEMM_MIN_ROWS + 3])
-def test_blocks_quantized_by_gguf_match_the_referee(qtype, rows, simd):
+def test_blocks_quantized_by_gguf_match_the_referee(qtype, rows, kernel_path):
     """Blocks as llama.cpp's quantizer writes them (gguf's port of it), not only random bytes."""
     values = np.random.default_rng(rows).standard_normal((24, 96)).astype(np.float32)
     weight = QuantizedWeight.from_numpy(gguf.quants.quantize(values, qtype), qtype, values.shape)
@@ -111,7 +112,7 @@ def test_blocks_quantized_by_gguf_match_the_referee(qtype, rows, simd):
 
 
 @pytest.mark.parametrize("rows", [1, 3, 9, quant_linear.GEMM_MIN_ROWS, 70])
-def test_stacked_parts_of_different_types_fill_their_own_columns(rows, simd):
+def test_stacked_parts_of_different_types_fill_their_own_columns(rows, kernel_path):
     parts = (weight_of(Q.Q5_0, 12, 256, 1), weight_of(Q.Q8_0, 5, 256, 2), weight_of(Q.Q6_K, 9, 256, 3),
              QuantizedWeight.from_float(torch.randn(4, 256)))
     stacked = StackedQuantizedWeight(parts)
