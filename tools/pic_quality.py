@@ -17,6 +17,7 @@ quality trend; pass --model with a local checkpoint of real weights for that.
     python tools/pic_quality.py --family qwen3 --hidden-size 512 --layers 8 --num-docs 8 --doc-len 256
     python tools/pic_quality.py --model ~/models/Mistral-7B-Instruct-v0.2 --backend epic --backend epic:k=32
     python tools/pic_quality.py --model smollm2 --num-prompts 20 --markdown q.md --png q.png   # fictional facts
+    python tools/pic_quality.py --summary pic-quality pic-quality-qwen0.5b pic-quality-qwen1.5b  # by model size
 
 With ``--model`` the prompts are chats over invented facts (``--prompts facts``, see pic_quality_rag.py): answer
 accuracy, 20-token match and combine time are measured too. ``--prompts random`` keeps random token prompts.
@@ -483,6 +484,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--write-docs", nargs="?", const="pic-quality", default=None, metavar="PAGE",
                         help="facts: also write the results page docs/results/PAGE.md and its plot (default PAGE: "
                              "pic-quality)")
+    parser.add_argument("--summary", nargs="+", default=None, metavar="PAGE",
+                        help="only report: one table over the PIC quality pages docs/results/PAGE.md (smallest model "
+                             "first) with the goal checked, written to docs/results/pic-quality-by-size.md")
+    parser.add_argument("--summary-backend", action="append", default=None,
+                        help="--summary: a backend row to show per page, repeatable (default: cacheblend)")
+    parser.add_argument("--page-note", action="append", default=None, metavar="TEXT",
+                        help="facts: a note added to the --write-docs page (what the run left out, a related page), "
+                             "repeatable")
     parser.add_argument("--family", default="mistral", choices=TINY_FAMILIES)
     parser.add_argument("--hybrid-family", default="qwen3_5", choices=(*HYBRID_FAMILIES, "none"),
                         help="also run hypic on this tiny hybrid model (none: skip; ignored with --model)")
@@ -534,17 +543,23 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.summary:
+        from pic_quality_summary import DEFAULT_BACKENDS, write_summary
+
+        return {"page": str(write_summary(args.summary, tuple(args.summary_backend or DEFAULT_BACKENDS)))}
     if args.merge:
         from pic_quality_rag import merge
 
-        return merge(args.merge, args.markdown, args.png, args.model, args.write_docs)
+        return merge(args.merge, args.markdown, args.png, args.model, args.write_docs,
+                     notes=tuple(args.page_note or ()))
     if args.prompts == "facts":
         from pic_quality_rag import run as run_facts
 
         report = run_facts(args.model, args.backend, args.num_prompts, args.seed, args.page_size, args.markdown,
                            args.png, sink=args.segment_sink == "auto", sweep=args.sweep,
                            detail_sentences=args.doc_sentences,
-                           progress_path=args.progress, docs_page=args.write_docs)
+                           progress_path=args.progress, docs_page=args.write_docs,
+                           notes=tuple(args.page_note or ()))
         if args.out:
             Path(args.out).write_text(json.dumps(report, indent=2))
         return report

@@ -25,7 +25,7 @@ import torch
 
 from fictional_facts import FactPrompt
 from pic_quality import PICHarness, full_reference, kl_per_row, teacher_forced_logits
-from nebula_engine.bench.results_page import DOCS_RESULTS, ResultsPage, Table, write_page
+from nebula_engine.bench.results_page import DOCS_RESULTS, ResultsPage, Table, invoked_command, write_page
 
 REPLY_TOKENS = 20
 DEFAULT_SPECS = ("full", "naive", "epic", "cacheblend", "a3")
@@ -144,6 +144,7 @@ def evaluate(harness: PICHarness, specs: list[str], num_prompts: int, seed: int,
               file=sys.stderr, flush=True)
         if progress_path:
             Path(progress_path).write_text(json.dumps({"model": harness.engine.config.model, "pic_off": off,
+                                                       "command": invoked_command(),
                                                        "segment_sink": harness.executor.bos_token_id,
                                                        "rows": per_spec}))
     return {"pic_off": off, "rows": per_spec,
@@ -196,9 +197,11 @@ PAGE_TITLE = "PIC quality on a real model"
 
 
 def quality_page(report: dict, name: str, png: Path | None, title: str = PAGE_TITLE,
-                 about: str = PAGE_ABOUT) -> ResultsPage:
-    return ResultsPage(name, title, f"{about}\n\n{describe(report)}", (results_table(report),),
-                       notes=(COLUMNS_EXPLAINED,), png=png)
+                 about: str = PAGE_ABOUT, notes: tuple[str, ...] = ()) -> ResultsPage:
+    """The results page; a merged report names the commands that measured its parts (``measured_by``)."""
+    measured = "".join(f"\n\nMeasured by `{command}`." for command in report.get("measured_by", ()))
+    return ResultsPage(name, title, f"{about}\n\n{describe(report)}{measured}", (results_table(report),),
+                       notes=(COLUMNS_EXPLAINED, *notes), png=png)
 
 
 def sweep_line(spec: str) -> str:
@@ -234,7 +237,8 @@ def plot(report: dict, path: str) -> None:
 
 def run(model: str, specs: list[str] | None, num_prompts: int, seed: int, page_size: int,
         markdown: str | None, png: str | None, sink: bool = True, sweep: bool = False,
-        progress_path: str | None = None, detail_sentences: int = 0, docs_page: str | None = None) -> dict:
+        progress_path: str | None = None, detail_sentences: int = 0, docs_page: str | None = None,
+        notes: tuple[str, ...] = ()) -> dict:
     harness = PICHarness(model, num_pages=400 if not detail_sentences else 1600, page_size=page_size)
     if not sink:
         harness.executor.bos_token_id = None  # documents prefilled alone, with no sink before them
@@ -245,12 +249,12 @@ def run(model: str, specs: list[str] | None, num_prompts: int, seed: int, page_s
         specs = with_sweep(specs)
     measured = evaluate(harness, specs, num_prompts, seed, progress_path, detail_sentences)
     return finish({"model": model, "segment_sink": harness.executor.bos_token_id, "seed": seed,
-                   "detail_sentences": detail_sentences, **measured},
-                  markdown, png, docs_page)
+                   "detail_sentences": detail_sentences, "command": invoked_command(), **measured},
+                  markdown, png, docs_page, notes=notes)
 
 
 def finish(report: dict, markdown: str | None, png: str | None, docs_page: str | None = None,
-           page_title: str = PAGE_TITLE, page_about: str = PAGE_ABOUT) -> dict:
+           page_title: str = PAGE_TITLE, page_about: str = PAGE_ABOUT, notes: tuple[str, ...] = ()) -> dict:
     """Add the summary fields to a report of ``pic_off`` and per-spec ``rows``, print it, write table and plot, and
     the results page ``docs/results/<docs_page>.md`` when named (with the plot beside it)."""
     off = report["pic_off"]
@@ -271,13 +275,14 @@ def finish(report: dict, markdown: str | None, png: str | None, docs_page: str |
         if not png:
             page_png.parent.mkdir(parents=True, exist_ok=True)
             plot(report, str(page_png))
-        print(f"wrote {write_page(quality_page(report, docs_page, page_png, page_title, page_about))}")
+        print(f"wrote {write_page(quality_page(report, docs_page, page_png, page_title, page_about, notes))}")
     return report
 
 
 def merge(paths: list[str], markdown: str | None, png: str | None, model: str | None = None,
-          docs_page: str | None = None) -> dict:
-    """One report from runs over disjoint prompts (``--out`` JSONs, or progress files) with the same specs."""
+          docs_page: str | None = None, notes: tuple[str, ...] = ()) -> dict:
+    """One report from runs over disjoint prompts (``--out`` JSONs, or progress files) with the same specs; the
+    commands that measured them (recorded in the JSONs) go on the page."""
     parts = [json.loads(Path(path).read_text()) for path in paths]
     specs = [list(part["rows"]) for part in parts]
     if any(s != specs[0] for s in specs):
@@ -285,4 +290,6 @@ def merge(paths: list[str], markdown: str | None, png: str | None, model: str | 
     rows = {spec: [row for part in parts for row in part["rows"][spec]] for spec in specs[0]}
     first = parts[0]
     return finish({"model": first.get("model", model or "?"), "segment_sink": first.get("segment_sink"),
-                   "pic_off": [o for part in parts for o in part["pic_off"]], "rows": rows}, markdown, png, docs_page)
+                   "pic_off": [o for part in parts for o in part["pic_off"]], "rows": rows,
+                   "measured_by": [part["command"] for part in parts if part.get("command")]},
+                  markdown, png, docs_page, notes=notes)

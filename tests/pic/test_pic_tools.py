@@ -164,6 +164,7 @@ def test_merge_pools_the_rows_of_runs_over_disjoint_prompts(tmp_path, capsys, mo
     def part(path, kl, correct):
         row = {**dict.fromkeys(keys, 0.5), "kl_next": kl, "correct": correct, "reply": "r"}
         path.write_text(json.dumps({"model": "m", "segment_sink": None, "rows": {"naive": [row]},
+                                    "command": f"python tools/pic_quality.py --out {path.name}",
                                     "pic_off": [{"correct": correct, "reply": "r", "answer": "a", "num_tokens": 10}]}))
         return str(path)
 
@@ -173,10 +174,12 @@ def test_merge_pools_the_rows_of_runs_over_disjoint_prompts(tmp_path, capsys, mo
     assert report["results"][0]["kl_next"] == pytest.approx(0.2)
     assert "| naive | 50% | 0.200 |" in (tmp_path / "t.md").read_text()
     monkeypatch.chdir(tmp_path)  # the results page goes to docs/results/ under the working directory
-    rag.merge([str(tmp_path / "a.json"), str(tmp_path / "b.json")], None, None, docs_page="pic-quality")
+    rag.merge([str(tmp_path / "a.json"), str(tmp_path / "b.json")], None, None, docs_page="pic-quality",
+              notes=("a3 left out",))
     page = (tmp_path / "docs" / "results" / "pic-quality.md").read_text()
     assert page.startswith("# PIC quality on a real model\n") and "| naive | 50% | 0.200 |" in page
     assert "PIC off answers 50% correctly (1/2)" in page and "Written by `" in page and "- CPU: " in page
+    assert "Measured by `python tools/pic_quality.py --out a.json`." in page and "- a3 left out" in page
     assert (tmp_path / "docs" / "results" / "pic-quality.png").read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(SystemExit, match="same backend specs"):
         bad = tmp_path / "c.json"
@@ -239,3 +242,27 @@ def test_oracle_on_smollm2_is_exact_at_full_recompute_and_keeps_cacheblends_budg
         oracle.main(["--model", str(smollm2_path), "--through-layer", "30"])
     with pytest.raises(SystemExit):
         oracle.main(["--ratio", "0"])
+
+
+def test_summary_reads_the_quality_pages_and_checks_the_goal(tmp_path):
+    rag, summary = import_tool("pic_quality_rag"), import_tool("pic_quality_summary")
+    from nebula_engine.bench.results_page import write_page
+
+    def page(name, model, kl, top1_tf, correct):
+        row = {"backend": "cacheblend", "recomputed": 0.15, "reused_share": 0.9, "kl_next": kl, "top1_next": 0.9,
+               "kl_tf": 0.1, "top1_tf": top1_tf, "match20": 0.5, "correct": correct, "combine_share": 0.3}
+        off = [{"correct": 1.0, "num_tokens": 100}] * 3 + [{"correct": 0.0, "num_tokens": 100}]
+        report = {"model": model, "segment_sink": None, "num_prompts": 4, "mean_tokens": 100.0,
+                  "reused_share": 0.9, "pic_off_accuracy": 0.75, "pic_off": off, "results": [row]}
+        write_page(rag.quality_page(report, name, None), tmp_path)
+
+    page("small", "tiny-a", 0.5, 0.9, 0.25)
+    page("large", "tiny-b", 0.02, 0.98, 0.5)
+    text = summary.write_summary(["small", "large"], out_dir=tmp_path).read_text()
+    assert "| tiny-a ([small](small.md)) | 4 | 100 | cacheblend | 15% | 0.500 | 0.90 | 0.90 | 1/4 (off 3) | " \
+           "misses KL, top-1, accuracy |" in text
+    assert "| tiny-b ([large](large.md)) | 4 | 100 | cacheblend | 15% | 0.020 | 0.90 | 0.98 | 2/4 (off 3) | met |" \
+        in text
+    assert text.index("tiny-a") < text.index("tiny-b")  # the order given: smallest model first
+    with pytest.raises(SystemExit, match="no results page"):
+        summary.write_summary(["missing"], out_dir=tmp_path)
