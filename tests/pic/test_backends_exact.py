@@ -12,7 +12,8 @@ from nebula_engine.engine.sampling_params import SamplingParams
 from tests.model_cases import HYBRID_AND_MLA_CASES, MODEL_CASES, checkpoint_factory  # noqa: F401  (fixture)
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-ATTENTION_EXACT = ("full", "cacheblend:ratio=1.0", "epic:k=100000", "a3:ratio=1.0")
+ATTENTION_EXACT = ("full", "cacheblend:ratio=1.0", "cacheblend:ratio=1.0,weight=question", "epic:k=100000",
+                   "a3:ratio=1.0")
 CASES = [(case, spec) for case in MODEL_CASES + HYBRID_AND_MLA_CASES
          for spec in (("hypic:seam=100000",) if case.family.startswith("qwen3_5") else ATTENTION_EXACT)]
 
@@ -43,7 +44,11 @@ def engines(checkpoint_factory):
     return get
 
 
-@pytest.mark.parametrize("case,spec", CASES, ids=[f"{c.name}-{s.split(':')[0]}" for c, s in CASES])
+def case_id(case, spec: str) -> str:
+    return f"{case.name}-{spec.split(':')[0]}" + ("-weighted" if "weight=" in spec else "")
+
+
+@pytest.mark.parametrize("case,spec", CASES, ids=[case_id(c, s) for c, s in CASES])
 def test_exact_settings_equal_plain_prefill(engines, case, spec):
     llm = engines(case)
     target = rag_prompt(seed=1, order=(2, 0, 1))
@@ -71,6 +76,7 @@ def test_reuse_without_recompute_is_not_exact(engines, case):
 
 
 @pytest.mark.parametrize("spec,expected", [("naive", 0), ("epic:k=4", 3 * 4), ("cacheblend:ratio=0.25", 16),
+                                           ("cacheblend:ratio=0.25,weight=question,sink=0", 16),
                                            ("a3:ratio=0.5", 32), ("hypic:seam=4", 3 * 4)])
 def test_recompute_counts_follow_the_backend(engines, spec, expected):
     from tests.model_cases import CASES_BY_NAME
@@ -79,6 +85,16 @@ def test_recompute_counts_follow_the_backend(engines, spec, expected):
     pic = llm.generate({"segments": rag_prompt(seed=3, order=(1, 0, 2))}, GREEDY, pic_backend=spec)[0]
     assert pic.num_pic_cached_tokens == 64
     assert pic.num_recomputed_tokens == expected
+
+
+@pytest.mark.parametrize("case", [c for c in MODEL_CASES if c.name == "mistral_gqa2"]
+                         + [c for c in HYBRID_AND_MLA_CASES if c.family == "deepseek_v2"][:1], ids=str)
+def test_question_weighted_cacheblend_scores_gqa_and_mla_keys(engines, case):
+    """The question's attention is computed from GQA keys (repeated per head) and from MLA's decompressed keys."""
+    llm = engines(case)
+    pic = llm.generate({"segments": rag_prompt(seed=6, order=(2, 1, 0))}, GREEDY,
+                       pic_backend="cacheblend:ratio=0.5,weight=question,sink=0")[0]
+    assert pic.num_pic_cached_tokens == 64 and pic.num_recomputed_tokens == 32
 
 
 def test_permuted_segments_hit_the_pic_store_where_prefix_caching_cannot(checkpoint_factory):

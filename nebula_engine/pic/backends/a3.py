@@ -15,8 +15,8 @@ from typing import Any, ClassVar, Mapping
 import torch
 import torch.nn.functional as F
 
-from nebula_engine.pic.backends.check_layer import CheckLayerBackend
-from nebula_engine.pic.combine import CombineRun, cached_values
+from nebula_engine.pic.backends.check_layer import CheckLayerBackend, question_queries_and_keys
+from nebula_engine.pic.combine import CombineRun
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class A3(CheckLayerBackend):
             keyed = run.positions(range(run.layout.num_tokens))
         else:
             keyed = reused
-        queries, keys = self._queries_and_keys(run, layer_idx, recorded, question, keyed)
+        queries, keys = question_queries_and_keys(run, layer_idx, recorded, question, keyed)
         logits = queries.flatten(1) @ keys.flatten(1).t() / math.sqrt(queries.shape[1] * queries.shape[2])
         if self.softmax == "context":
             future = keyed[None, :] > rows[question][:, None]
@@ -67,18 +67,3 @@ class A3(CheckLayerBackend):
         smoothed = F.avg_pool1d(scores[None, None], self.pool_kernel, stride=1, padding=pad,
                                 count_include_pad=True)[0, 0]
         return self.keep(run, rows, smoothed, self.ratio)
-
-    @staticmethod
-    def _queries_and_keys(run: CombineRun, layer_idx: int, recorded: Mapping[str, torch.Tensor],
-                          question: torch.Tensor, reused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Question queries [Lq, H, D] and the keys at ``reused`` (positions) [R, H, D] (GQA keys repeated)."""
-        if "q" in recorded:
-            q = recorded["q"][question]
-            k = cached_values(run, layer_idx, reused, "key")  # [R, Hkv, D]
-            return q, k.repeat_interleave(q.shape[1] // k.shape[1], dim=1).to(q.dtype)
-        layer = run.model.attention_layers()[layer_idx]  # MLA: decompress the reused tokens' keys
-        latent = cached_values(run, layer_idx, reused, "value")
-        k_pe = cached_values(run, layer_idx, reused, "key")
-        keys, _ = layer.decompress(latent.to(recorded["q_nope"].dtype), k_pe.to(recorded["q_nope"].dtype))
-        q = torch.cat([recorded["q_nope"], recorded["q_pe"]], dim=-1)[question]
-        return q, keys

@@ -10,13 +10,14 @@ tokens of each reused segment not starting the prompt (EPIC's sink heads) inside
 from __future__ import annotations
 
 import math
+from typing import Mapping
 
 import torch
 
 from nebula_engine.kernels.pic_ops import select_top_tokens
 from nebula_engine.pic.backends.base import PICBackend
 from nebula_engine.pic.backends.epic import segment_heads
-from nebula_engine.pic.combine import CombineResult, CombineRun, blended_forward_many
+from nebula_engine.pic.combine import CombineResult, CombineRun, blended_forward_many, cached_values
 from nebula_engine.pic.layout import CombineLayout
 
 
@@ -76,3 +77,19 @@ class CheckLayerBackend(PICBackend):
 
     def _final_ratio(self) -> float:
         raise NotImplementedError
+
+
+def question_queries_and_keys(run: CombineRun, layer_idx: int, recorded: Mapping[str, torch.Tensor],
+                              question: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """At a check layer, the question's queries [Lq, H, D] (``question``: [rows] bool) and the keys at ``positions``
+    [P, H, D] (GQA keys repeated; MLA keys decompressed), as attention sees them there."""
+    if "q" in recorded:
+        q = recorded["q"][question]
+        k = cached_values(run, layer_idx, positions, "key")  # [P, Hkv, D]
+        return q, k.repeat_interleave(q.shape[1] // k.shape[1], dim=1).to(q.dtype)
+    layer = run.model.attention_layers()[layer_idx]
+    latent = cached_values(run, layer_idx, positions, "value")
+    k_pe = cached_values(run, layer_idx, positions, "key")
+    keys, _ = layer.decompress(latent.to(recorded["q_nope"].dtype), k_pe.to(recorded["q_nope"].dtype))
+    q = torch.cat([recorded["q_nope"], recorded["q_pe"]], dim=-1)[question]
+    return q, keys
