@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from nebula_engine.cluster.runtime.worker import MadeForRequest, output_to_wire
+from nebula_engine.cluster.runtime.prefill_tasks import MadeForRequest
+from nebula_engine.cluster.runtime.worker_codec import output_to_wire
 from nebula_engine.engine.outputs import CompletionOutput, RequestOutput
 from nebula_engine.pic.segments import PromptSegment, SegmentedPrompt, SegmentKind
 

@@ -34,7 +34,7 @@ def test_a_late_segment_pin_reply_is_answered_with_an_unpin(engine):
     source = wire.SourceSpec(segment_index=0, key="key", peer="holder")
 
     transfers = []
-    copied = asyncio.run(worker._fetch(source, segmented, "epic", transfers))
+    copied = asyncio.run(worker.reads.fetch_segment(source, segmented, "epic", transfers))
 
     assert copied is False and worker.transfer_failures == 1 and transfers == []  # no time for a failed read
     (peer, pin), = sent
@@ -52,13 +52,13 @@ def test_a_late_prefix_pin_reply_is_answered_with_an_unpin_and_a_refusal_with_no
                            pic_backend=None, sources=[], local_task_ids=[], decode_peer="", prefix_peer="holder",
                            prefix_tokens=32)
 
-    assert asyncio.run(worker._fetch_prefix(combine)) is None
+    assert asyncio.run(worker.reads.fetch_prefix(combine)) is None
     (_, pin), = sent
     assert isinstance(pin, wire.PinPrefix) and len(pin.token_ids) == 32
     worker.on_pin_reply(wire.PinReply(sender="holder", tag=pin.tag, ok=True, pages=list(range(8))))
     assert sent[-1] == ("holder", wire.UnpinPrefix(sender="me", tag=pin.tag))
 
-    asyncio.run(worker._fetch_prefix(combine))
+    asyncio.run(worker.reads.fetch_prefix(combine))
     refused = sent[-1][1]
     worker.on_pin_reply(wire.PinReply(sender="holder", tag=refused.tag, ok=False))
     assert sent[-1][1] is refused  # nothing was pinned, so nothing is unpinned
@@ -106,8 +106,7 @@ def test_a_prefix_pin_waits_for_the_lead_prefilled_here_for_its_reader(engine):
     port, sent, reports = EngineClusterPort(engine), [], []
     worker = WorkerService("me", "prefill", 0, port, agent=None, send=lambda peer, msg: sent.append((peer, msg)),
                            leader=lambda: "me", pic_key=lambda spec, ids: "key",
-                           liveness=Liveness("me", ["me", "home"], dead_after_s=3.0))
-    worker.local_router = reports.append
+                           liveness=Liveness("me", ["me", "home"], dead_after_s=3.0), local_router=reports.append)
     prompt_start = list(range(600, 618))  # four full pages and two tokens before the prompt's first PIC segment
     scatter = wire.ScatterLead(sender="router", task_id="r#0/lead", request_id="r", token_ids=prompt_start)
     pin = wire.PinPrefix(sender="home", tag="home/1", token_ids=prompt_start[:16])
@@ -121,12 +120,12 @@ def test_a_prefix_pin_waits_for_the_lead_prefilled_here_for_its_reader(engine):
     assert peer == "home" and reply.ok and len(reply.pages) == 4
     assert worker.lead_tokens_prefilled == 16
     assert [m.task_id for m in reports if isinstance(m, wire.TaskDone)] == ["r#0/lead"]
-    assert not worker._pinned_prefixes
+    assert not worker.pins.holds_pins()
 
 
 def test_a_pin_waiting_for_a_combines_own_cold_segment_is_answered_once_it_is_stored(engine):
     """A combine prefills its cold segments before it runs; another peer, planned to read one of them meanwhile,
-    waits for it (``_computing``). It is answered as soon as the segment is stored, not when the combine ends
+    waits for it (``InFlightKeys``). It is answered as soon as the segment is stored, not when the combine ends
     (it waited 0.89 s for a 4,591-token combine in a default compare)."""
     from nebula_engine.engine.kv_gate import KVGate
 
@@ -141,17 +140,17 @@ def test_a_pin_waiting_for_a_combines_own_cold_segment_is_answered_once_it_is_st
                            token_ids=list(segmented.token_ids), segments=[], params=wire.Params(fields={}),
                            pic_backend="epic", sources=[], local_task_ids=[], decode_peer="", compute_here=[0])
     key = port.segment_key("epic", ids)
-    local_keys = worker._local_keys(combine, segmented)
+    local_keys = worker.prefill._local_keys(combine, segmented)
     assert local_keys == {0: key}
     computing = list(local_keys.values())
-    worker._start_computing(computing)
+    worker.in_flight.start(computing)
 
     async def prefill_then_pin():
-        made = await worker._prefill_here(combine, segmented, KVGate(["prefill"]), computing, local_keys)
+        made = await worker.prefill._prefill_here(combine, segmented, KVGate(["prefill"]), computing, local_keys)
         await worker.on_pin(wire.PinSegment(sender="reader", tag="s", key=key, num_tokens=12, wait_s=5.0))
         return made
 
     assert asyncio.run(prefill_then_pin()) == [0]
-    assert computing == [] and key not in worker._computing and worker._appeared[key].is_set()
+    assert computing == [] and key not in worker.in_flight
     (peer, reply), = sent
     assert peer == "reader" and reply.ok and len(reply.pages) == 3

@@ -3,7 +3,10 @@
 A request is admitted here (``admission.admit`` with the local engine: its limits, its PIC backend resolved to a
 spec every peer reads the same), submitted to the current leader's router, and its outputs arrive from whichever
 peer serves it. Each submission has an attempt number; only outputs of the current attempt are passed on, and only
-the front end starts a new one.
+the front end starts a new one. A request for ``n > 1`` completions is fanned out here, as a single engine's parallel
+sampling does it: each completion is a request of its own through the cluster (attempts, hand-off, failover), and
+their outputs are gathered back into one. Top logprobs arrive per token, each once; prompt logprobs with a stream's
+first output.
 
 Every request ends, with its output or an error:
 - Without a quorum (this peer is cut off from most of the cluster) a new request fails at once (503). With a
@@ -30,11 +33,12 @@ import msgspec
 
 from nebula_engine.cluster.runtime import wire
 from nebula_engine.cluster.runtime.liveness import DEFAULT_FAILOVER_TIMEOUT_S, Liveness
-from nebula_engine.cluster.runtime.worker import params_to_wire
+from nebula_engine.cluster.runtime.worker_codec import candidates_from_wire, params_to_wire
 from nebula_engine.engine.admission import ENGINE_DEFAULT, AdmittedRequest
 from nebula_engine.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineError, EngineStats
 from nebula_engine.engine.output_processor import find_stop_string
-from nebula_engine.engine.outputs import CompletionOutput, RequestOutput
+from nebula_engine.engine.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
+from nebula_engine.engine.parallel_sampling import ParentRequest, child_request_id
 from nebula_engine.engine.sampling_params import SamplingParams
 from nebula_engine.engine.tokenizer import Tokenizer
 from nebula_engine.pic.segments import SegmentKind
@@ -46,27 +50,44 @@ _MAX_CHAR_TOKENS = 4  # a UTF-8 character spans at most 4 bytes, so at most 4 by
 
 @dataclass(frozen=True)
 class Streamed:
-    """Output of a request so far: its tokens, their logprobs, the text a client has been given for them."""
+    """Output of a request so far: its tokens, their logprobs, the text a client has been given for them, and
+    (when asked) each token's top logprobs."""
 
     token_ids: tuple[int, ...] = ()
     logprobs: tuple[float, ...] = ()
     text: str = ""
+    top_logprobs: tuple[dict[int, Logprob], ...] = ()
 
     def __add__(self, other: Streamed) -> Streamed:
-        return Streamed(self.token_ids + other.token_ids, self.logprobs + other.logprobs, self.text + other.text)
+        return Streamed(self.token_ids + other.token_ids, self.logprobs + other.logprobs, self.text + other.text,
+                        self.top_logprobs + other.top_logprobs)
+
+    def upto(self, num_tokens: int) -> Streamed:
+        """Its first ``num_tokens`` tokens (the text is kept: it never runs ahead of the tokens kept)."""
+        return Streamed(self.token_ids[:num_tokens], self.logprobs[:num_tokens], self.text,
+                        self.top_logprobs[:num_tokens])
+
+
+def placed(have: tuple[dict[int, Logprob], ...], start: int, new: list[dict[int, Logprob]]
+           ) -> tuple[dict[int, Logprob], ...]:
+    """``have`` with positions ``start``, ``start + 1``, ... set to ``new``. A hand-off's first token may in
+    principle arrive after its decode peer's first output: the gap is filled when it does."""
+    padded = have + ({},) * (start - len(have))
+    return padded[:start] + tuple(new) + padded[start + len(new):]
 
 
 @dataclass
 class _Pending:
     submit: wire.Submit  # as the client asked (attempt 0)
     params: SamplingParams
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # shared by the completions of an n > 1 request
     attempt: int = 0
     server: str | None = None  # the peer that sent the latest output of the current attempt
     handoff_to: str = ""  # the decode peer ``server`` is handing it to: its death loses the request too
     earlier: Streamed = Streamed()  # what earlier attempts streamed (the current attempt continues it)
     current: Streamed = Streamed()  # what the current attempt streamed
     cached: list[int] | None = None  # prefix, PIC, recomputed, hit counts of the first attempt that reported them
+    prompt_logprobs: PromptLogprobs | None = None  # those of the first attempt that reported them (when asked)
     waiting_since: float | None = None  # when it started needing a leader to (re)submit to; None: submitted
     losses: int = 0
     done: bool = False
@@ -91,7 +112,8 @@ class ClusterFrontend:
         self.liveness = liveness
         self.failover_timeout_s = failover_timeout_s
         self.max_losses = max_losses
-        self._pending: dict[str, _Pending] = {}
+        self._pending: dict[str, _Pending] = {}  # by the id each completion is submitted as
+        self._completion_ids: dict[str, list[str]] = {}  # a client's request id -> those of its completions
         self.num_resubmitted = 0
 
     @property
@@ -110,36 +132,45 @@ class ClusterFrontend:
     async def generate(self, request_id: str, prompt, params: SamplingParams,
                        pic_backend: str | None = ENGINE_DEFAULT,
                        route: str | None = None) -> AsyncIterator[RequestOutput]:
-        submit = self._validated_submit(request_id, prompt, params, pic_backend, route)
+        completions = self._validated_completions(request_id, prompt, params, pic_backend, route)
         if self.leader() is None and not self.has_quorum():
             raise EngineDeadError(f"peer {self.name} cannot reach a majority of the cluster (no leader): "
                                   "send the request to another peer")
-        pending = _Pending(submit, params)
-        self._pending[request_id] = pending
-        self._submit(pending)
+        self._completion_ids[request_id] = [pending.submit.request_id for pending in completions]
+        for pending in completions:
+            self._pending[pending.submit.request_id] = pending
+            self._submit(pending)
+        gathered = ParentRequest(request_id, params.n) if params.n > 1 else None
         try:
             while True:
-                item = await pending.queue.get()
+                item = await completions[0].queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                if gathered is not None:
+                    gathered.update(item.request_id, item)
+                    item = gathered.output()
                 yield item
                 if item.finished:
                     return
         finally:
             self._forget(request_id)
 
-    def _validated_submit(self, request_id: str, prompt, params: SamplingParams, pic_backend: str | None,
-                          route: str | None) -> wire.Submit:
+    def _validated_completions(self, request_id: str, prompt, params: SamplingParams, pic_backend: str | None,
+                               route: str | None) -> list[_Pending]:
+        """The request's completions, each submitted and carried through the cluster on its own. With ``n > 1``,
+        as a single engine's parallel sampling: completion ``i`` is request ``child_request_id(i, request_id)``
+        with ``params.for_completion(i)``; their outputs share one queue."""
         if route is not None and route not in self.prefill_peers:
             raise ValueError(f"prefill_peer {route!r} is not a prefill peer of this cluster: {self.prefill_peers}")
         request = self.engine.admit(prompt, params, pic_backend)
-        unsupported = [name for name, asked in (("n > 1", params.n > 1), ("logprobs", params.logprobs is not None),
-                                                ("prompt_logprobs", params.prompt_logprobs is not None)) if asked]
-        if unsupported:  # the cluster's outputs carry one completion and each sampled token's logprob only
-            raise ValueError(f"{', '.join(unsupported)}: not supported by a cluster yet; a single engine serves them")
-        if request_id in self._pending:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        return self._submit_message(request_id, request, route)
+        ids = [request_id] if params.n == 1 else [child_request_id(i, request_id) for i in range(params.n)]
+        taken = [i for i in dict.fromkeys([request_id, *ids]) if i in self._pending or i in self._completion_ids]
+        if taken:
+            raise ValueError(f"request id {taken[0]!r} is already in use")
+        queue: asyncio.Queue = asyncio.Queue()
+        return [_Pending(self._submit_message(completion_id, replace(request, params=request.params.for_completion(i)),
+                                              route), params.for_completion(i), queue)
+                for i, completion_id in enumerate(ids)]
 
     def _submit_message(self, request_id: str, request: AdmittedRequest, route: str | None) -> wire.Submit:
         """An admitted request as the router receives it: its backend by spec, which parses back to an equal one."""
@@ -155,9 +186,10 @@ class ClusterFrontend:
         self._forget(request_id)
 
     def _forget(self, request_id: str) -> None:
-        pending = self._pending.pop(request_id, None)
-        if pending is not None and not pending.done and pending.server is not None:
-            self._send_to(pending.server, wire.Abort(sender=self.name, request_id=request_id))
+        for completion_id in self._completion_ids.pop(request_id, ()):
+            pending = self._pending.pop(completion_id, None)
+            if pending is not None and not pending.done and pending.server is not None:
+                self._send_to(pending.server, wire.Abort(sender=self.name, request_id=completion_id))
 
     # ---- (re)submission ----
     def _submit(self, pending: _Pending) -> None:
@@ -174,6 +206,8 @@ class ClusterFrontend:
         if not streamed:
             return msgspec.structs.replace(original, attempt=pending.attempt)
         params = replace(pending.params, max_tokens=pending.params.max_tokens - len(streamed))
+        if pending.prompt_logprobs is not None:  # reported already, by the first output
+            params = replace(params, prompt_logprobs=None)
         seam = wire.Segment(SegmentKind.REGULAR.value, len(original.token_ids), len(streamed))
         return msgspec.structs.replace(original, attempt=pending.attempt, token_ids=original.token_ids + list(streamed),
                                        segments=original.segments + [seam], params=params_to_wire(params))
@@ -205,7 +239,7 @@ class ClusterFrontend:
             if not ids or not self.tokenizer.decode(ids[-_MAX_CHAR_TOKENS - 2:]).endswith("\ufffd"):
                 break
             ids.pop()
-        return Streamed(tuple(ids), streamed.logprobs[:len(ids)], streamed.text)
+        return streamed.upto(len(ids))
 
     def _finish_at_length(self, pending: _Pending) -> None:
         pending.done = True
@@ -227,9 +261,15 @@ class ClusterFrontend:
                 self._fail(pending, (ValueError if msg.client_error else EngineError)(msg.message))
             return
         pending.server, pending.handoff_to = msg.sender, msg.handoff_to
-        pending.current = Streamed(tuple(msg.token_ids), tuple(msg.logprobs), msg.text)
+        top = pending.current.top_logprobs
+        if pending.params.logprobs is not None:
+            top = placed(top, msg.top_logprobs_start, [candidates_from_wire(c) for c in msg.top_logprobs])
+        pending.current = Streamed(tuple(msg.token_ids), tuple(msg.logprobs), msg.text, top)
         if pending.cached is None:
             pending.cached = list(msg.cached)
+        if pending.prompt_logprobs is None and msg.prompt_logprobs is not None:
+            pending.prompt_logprobs = [None if c is None else candidates_from_wire(c)
+                                       for c in msg.prompt_logprobs[:len(pending.submit.token_ids)]]
         output = self._merged(pending, msg.finished, msg.finish_reason, msg.stop_reason)
         pending.done = output.finished
         pending.queue.put_nowait(output)
@@ -244,11 +284,15 @@ class ClusterFrontend:
             stop = find_stop_string(text, len(pending.current.text), pending.params.stop)
             if stop is not None and stop[1] < len(pending.earlier.text):
                 text, finished, finish_reason, stop_reason = text[:stop[1]], True, "stop", stop[0]
-        completion = CompletionOutput(0, text, list(streamed.token_ids), finish_reason=finish_reason,
-                                      stop_reason=stop_reason, token_logprobs=list(streamed.logprobs))
+        asked = pending.params.logprobs is not None
+        top = list(streamed.top_logprobs[:len(streamed.token_ids)]) if asked else None
+        completion = CompletionOutput(0, text, list(streamed.token_ids), sum(streamed.logprobs) if asked else None,
+                                      top, finish_reason, stop_reason, list(streamed.logprobs))
         prefix, pic, recomputed, *hits = pending.cached or (0, 0, 0)
+        prompt_logprobs = list(pending.prompt_logprobs) if pending.prompt_logprobs is not None else None
         return RequestOutput(pending.submit.request_id, None, list(pending.submit.token_ids), [completion],
-                             finished=finished, num_cached_tokens=hits[0] if hits else prefix + pic,
+                             finished=finished, prompt_logprobs=prompt_logprobs,
+                             num_cached_tokens=hits[0] if hits else prefix + pic,
                              num_prefix_cached_tokens=prefix,
                              num_pic_cached_tokens=pic, num_recomputed_tokens=recomputed)
 

@@ -83,8 +83,8 @@ class Peer:
         settings, peer_names = self.settings, [p.name for p in self.spec.peers]
         self.liveness = Liveness(self.name, peer_names, settings.peer_timeout_s)
         self.worker = WorkerService(self.name, self.me.role, self.me.worker_index, self.port, self.agent,
-                                    self.send, lambda: self.leader_name, self._pic_key, self.liveness)
-        self.worker.local_router = self.dispatch
+                                    self.send, lambda: self.leader_name, self._pic_key, self.liveness,
+                                    local_router=self.dispatch)
         per_token_s = await self.port.prefill_seconds_per_token()
         logger.info("%s: prefill timed at start-up: %.4f ms a token", self.name, per_token_s * 1e3)
         config = measured_cluster_config(self.spec, self.port.kv_geometry, per_token_s,

@@ -24,6 +24,15 @@ class Segment(msgspec.Struct, array_like=True):
     length: int
 
 
+class Candidate(msgspec.Struct, array_like=True):
+    """One candidate token at one position: ``outputs.Logprob`` with its token id."""
+
+    token_id: int
+    logprob: float
+    rank: int | None
+    text: str | None
+
+
 class Params(msgspec.Struct, kw_only=True):
     """``SamplingParams`` as plain fields."""
 
@@ -197,6 +206,12 @@ class Output(Msg):
     stop_reason: str | int | None
     cached: list[int]  # prefix, PIC, recomputed token counts, then the cache hits (KV that existed before it)
     handoff_to: str = ""  # the decode peer this request moves to next: it carries the request from now on
+    # when logprobs were asked: the candidates of the attempt's tokens ``top_logprobs_start``, ``+ 1``, ... (those
+    # an earlier output of this stream did not carry)
+    top_logprobs: list[list[Candidate]] = []
+    top_logprobs_start: int = 0
+    # when asked, in a stream's first output only: per prompt token its candidates (None for the first)
+    prompt_logprobs: list[list[Candidate] | None] | None = None
 
 
 class Failed(Msg):
