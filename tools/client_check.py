@@ -24,15 +24,18 @@ pin keeps pip from pulling the multi-GB CUDA build):
 
 Run, from the repository root, with this checkout's environment:
 
-    python tools/client_check.py --clients-python ../clients-venv/bin/python [--model NAME] [--write-docs]
+    python tools/client_check.py --clients-python ../clients-venv/bin/python [--model NAME] [--cluster] [--write-docs]
 
-``--write-docs`` writes ``docs/results/clients.md`` (machine, command, table). The file is also what each client
+``--cluster`` runs every client a second time against a local cluster (``serve --prefill-workers 2
+--decode-workers 1``: the API on the router's peer). ``--write-docs`` writes ``docs/results/clients.md`` (machine,
+command, one table per server). The file is also what each client
 subprocess runs (``client_check.py client NAME ...``): that part imports only the standard library and its client.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -242,6 +245,31 @@ def request_counts(url: str) -> dict[str, float]:
     return counts
 
 
+def offline_accuracy(model: str) -> float:
+    """The multiple-choice task scored with the offline API, as lm-eval scores it: each choice's continuation
+    (`` choice``, the tokens the whole text has beyond the question's) by the sum of its prompt logprobs."""
+    from nebula_engine import LLM
+    from nebula_engine.engine.sampling_params import SamplingParams
+
+    llm = LLM(model)
+    tokenizer = llm.get_tokenizer()
+    right = 0
+    for question, choices, answer in QUESTIONS:
+        context = f"Question: {question}\nAnswer:"
+        context_ids = tokenizer.encode(context, add_special_tokens=False)
+        prompts, spans = [], []
+        for choice in choices:
+            ids = tokenizer.encode(f"{context} {choice}", add_special_tokens=False)
+            prompts.append({"prompt_token_ids": ids})
+            spans.append(range(len(context_ids), len(ids)))
+        scoring = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+        outputs = llm.generate(prompts, scoring, use_tqdm=False)
+        scores = [sum(out.prompt_logprobs[i][out.prompt_token_ids[i]].logprob for i in span)
+                  for out, span in zip(outputs, spans)]
+        right += max(range(len(choices)), key=scores.__getitem__) == answer
+    return right / len(QUESTIONS)
+
+
 def save_tokenizer(model: str, out: Path) -> None:
     """The served model's tokenizer as a Hugging Face folder, which lm-eval and guidellm load offline."""
     from nebula_engine.catalog import resolve_model
@@ -284,23 +312,38 @@ def _status_delta(before: dict[str, float], after: dict[str, float]) -> str:
     return ", ".join(f"{n} {status}" for status, n in sorted(counts.items())) or "none"
 
 
-def table(results: list[ClientResult]):
+@dataclass(frozen=True)
+class Target:
+    """A server the clients run against: its name in the tables and the ``serve`` arguments beyond the model."""
+
+    name: str
+    serve_args: tuple[str, ...] = ()
+
+
+SINGLE = Target("serve")
+LOCAL_CLUSTER = Target("local cluster, 2 prefill + 1 decode peers",
+                       ("--prefill-workers", "2", "--decode-workers", "1"))
+
+
+def table(results: list[ClientResult], target: Target = SINGLE):
     from nebula_engine.bench.results_page import Table
 
     return Table(("client", "what was run", "result", "key figure", "server's count of its requests"),
-                 tuple((r.client, r.ran, "pass" if r.passed else "FAIL", r.figure, r.requests) for r in results))
+                 tuple((r.client, r.ran, "pass" if r.passed else "FAIL", r.figure, r.requests) for r in results),
+                 caption=f"Against {target.name}" + (f": `{' '.join(target.serve_args)}`" if target.serve_args else ""))
 
 
-def write_docs(results: list[ClientResult], model: str) -> Path:
+def write_docs(runs: list[tuple[Target, list[ClientResult]]], model: str) -> Path:
     from nebula_engine.bench.results_page import ResultsPage, write_page
 
     page = ResultsPage(
         name="clients", title="Real clients against nebula-engine serve",
         about=(f"Each client teams point at vLLM, unmodified, against `nebula-engine serve --model {model}` on "
-               "127.0.0.1, each in its own process. A client passes when it completes and reads what it needs "
-               "from the answers, and every request it sent was answered 200 (the server's own "
-               "`nebula_requests_total` by status, read before and after each client)."),
-        tables=(table(results),),
+               "127.0.0.1 (one engine, and with `--cluster` a local cluster too), each in its own process. A client "
+               "passes when it completes and reads what it needs from the answers, and every request it sent was "
+               "answered 200 (the server's own `nebula_requests_total` by status, read before and after each "
+               "client)."),
+        tables=tuple(table(results, target) for target, results in runs),
         notes=("`ok` in the last column is a request answered 200 (`invalid`: a 4xx, `error`: a 5xx, `aborted`: "
                "the client went away).",
                "The multiple-choice task and the tokenizer are written by the tool: no hub access (the clients run "
@@ -324,6 +367,9 @@ def main() -> None:
                         help="the Python that has the clients installed (default: ../clients-venv/bin/python)")
     parser.add_argument("--model", default=None, help="served model (default: serve's default)")
     parser.add_argument("--only", action="append", choices=sorted(CLIENTS), help="run only these clients")
+    parser.add_argument("--cluster", action="store_true",
+                        help="also run every client against a local cluster (serve --prefill-workers 2 "
+                             "--decode-workers 1)")
     parser.add_argument("--write-docs", action="store_true", help="write docs/results/clients.md")
     args = parser.parse_args()
     if args.command == "client":
@@ -340,27 +386,53 @@ def check(args: argparse.Namespace) -> None:
         sys.exit(f"no Python at {args.clients_python}: install the clients first (see this tool's docstring) or "
                  "pass --clients-python")
     model_arg = args.model or DEFAULT_MODEL
+    targets = [SINGLE, LOCAL_CLUSTER] if args.cluster else [SINGLE]
     with tempfile.TemporaryDirectory(prefix="nebula-client-check-") as tmp:
         workdir = Path(tmp)
         save_tokenizer(model_arg, workdir / "tokenizer")
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        server = start_server(["--model", model_arg], port, workdir / "server.log", cwd=ROOT)
-        try:
-            model = served_model(url)
-            results = []
-            for name in args.only or CLIENTS:
-                results.append(run_client(name, args.clients_python, url, model, workdir))
-                print(f"{name}: {'pass' if results[-1].passed else 'FAIL'} - {results[-1].figure}", flush=True)
-        finally:
-            stop_server(server)
-        print(table(results).markdown())
+        offline = offline_accuracy(model_arg) if "lm-evaluation-harness" in (args.only or CLIENTS) else None
+        runs = [(target, run_clients(target, args, model_arg, workdir / f"target{i}", workdir / "tokenizer"))
+                for i, target in enumerate(targets)]
+        if offline is not None:
+            runs = [(target, [equal_to_offline(r, offline) for r in results]) for target, results in runs]
+        for target, results in runs:
+            print(table(results, target).markdown())
         if args.write_docs:
-            print(f"wrote {write_docs(results, model_arg)}")
-        if not all(r.passed for r in results):
+            print(f"wrote {write_docs(runs, model_arg)}")
+        if not all(r.passed for _, results in runs for r in results):
             for path in workdir.rglob("stderr.txt"):
                 print(f"--- {path.parent.name} stderr (tail) ---\n" + "\n".join(path.read_text().splitlines()[-20:]))
             sys.exit(1)
+
+
+def equal_to_offline(result: ClientResult, offline: float) -> ClientResult:
+    """lm-eval passes only when its accuracy equals the offline API's on the same task."""
+    if not result.client.startswith("lm-eval") or not result.figure.startswith("accuracy "):
+        return result
+    served = float(result.figure.split()[1])
+    same = f"{served:.2f}" == f"{offline:.2f}"  # 20 questions: multiples of 0.05
+    return dataclasses.replace(result, passed=result.passed and same,
+                               figure=f"{result.figure} (offline API: {offline:.2f})")
+
+
+def run_clients(target: Target, args: argparse.Namespace, model_arg: str, workdir: Path,
+                tokenizer: Path) -> list[ClientResult]:
+    """Every client in turn against one server started for ``target``, stopped at the end."""
+    workdir.mkdir()
+    (workdir / "tokenizer").symlink_to(tokenizer)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = start_server(["--model", model_arg, *target.serve_args], port, workdir / "server.log", cwd=ROOT)
+    try:
+        model = served_model(url)
+        results = []
+        for name in args.only or CLIENTS:
+            results.append(run_client(name, args.clients_python, url, model, workdir))
+            print(f"{target.name}: {name}: {'pass' if results[-1].passed else 'FAIL'} - {results[-1].figure}",
+                  flush=True)
+        return results
+    finally:
+        stop_server(server)
 
 
 if __name__ == "__main__":
