@@ -264,8 +264,9 @@ class ChatMessage(_Strict):
     @model_validator(mode="after")
     def _fields_of_role(self):
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise unsupported("messages", f"a {self.role} message needs content (only an assistant message with "
-                                          f"tool_calls may leave it null)")
+            article = "an" if self.role[0] in "aeiou" else "a"
+            raise unsupported("messages", f"{article} {self.role} message needs content (only an assistant message "
+                                          "with tool_calls may leave it null)")
         if self.tool_calls is not None and self.role != "assistant":
             raise unsupported("messages", "only assistant messages carry tool_calls")
         if self.role == "tool" and self.tool_call_id is None:
