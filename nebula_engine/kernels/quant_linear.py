@@ -69,6 +69,7 @@ _ENABLED = os.environ.get(KERNELS_ENV, "1") != "0"
 INSTRUCTION_SETS = ("portable", "avx2", "avx512")
 _ISA: int | None = None  # None: the best the build has
 _BUILT_ISA = 0  # the best path of the loaded build (read once at load, not on every call)
+_KERNEL = None  # the loaded ops (``torch.ops.nebula_quant``), looked up once
 
 
 def computes(qtype: int, in_features: int) -> bool:
@@ -189,7 +190,7 @@ def _build_and_load() -> None:
 def load() -> bool:
     """Build (once per machine) and load the kernel; True when ``torch.ops.nebula_quant`` is usable. A failure (or
     ``NEBULA_CPU_KERNELS=0``) is logged once and False is returned from then on."""
-    global _LOADED, _BUILT_ISA
+    global _LOADED, _BUILT_ISA, _KERNEL
     if _LOADED is not None:
         return _LOADED
     with _LOCK:
@@ -200,7 +201,8 @@ def load() -> bool:
             return _LOADED
         try:
             _build_and_load()
-            _BUILT_ISA = int(torch.ops.nebula_quant.isa())
+            _KERNEL = torch.ops.nebula_quant
+            _BUILT_ISA = int(_KERNEL.isa())
             _LOADED = True
         except Exception as error:  # no compiler, no ninja, a read-only cache: weights are dequantized at load
             logger.warning("CPU quantized-linear kernel unavailable, GGUF weights are dequantized at load: %s",
@@ -230,17 +232,17 @@ def quantized_linear(x: torch.Tensor, weight: AnyQuantizedWeight, bias: torch.Te
     """``F.linear(x, weight.dequantize(), bias)``: x [..., K] fp32, weight [N, K], bias [N] -> [..., N].
 
     Autograd (x requiring grad) and a kernel that did not load take that torch path, dequantizing the whole weight
-    on each call."""
-    out_features, in_features = weight.shape
-    if (x.device.type != "cpu" or x.dtype != torch.float32 or (torch.is_grad_enabled() and x.requires_grad)
-            or not load()):
+    on each call. A decode step makes ~150 of these calls, so the checks are the cheap ones (``is_cpu``, not
+    ``device.type``) and a 2-d x gets the kernel's output as is."""
+    if not (x.is_cpu and x.dtype == torch.float32) or (x.requires_grad and torch.is_grad_enabled()) or not load():
         return quantized_linear_reference(x, weight, bias)
+    out_features, in_features = weight.shape
     rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, in_features).contiguous()
     out = rows.new_empty(rows.shape[0], out_features)
     blocks, qtypes = weight.kernel_operands
-    torch.ops.nebula_quant.linear(rows, blocks, qtypes, None if bias is None else bias.detach().contiguous(),
-                                  GEMM_MIN_ROWS, PANEL_ROWS, _BUILT_ISA if _ISA is None else _ISA, out)
-    return out.view(*x.shape[:-1], out_features)
+    _KERNEL.linear(rows, blocks, qtypes, None if bias is None else bias.detach().contiguous(), GEMM_MIN_ROWS,
+                   PANEL_ROWS, _BUILT_ISA if _ISA is None else _ISA, out)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)
 
 
 def quantized_linear_reference(x: torch.Tensor, weight: AnyQuantizedWeight,

@@ -20,6 +20,7 @@ from nebula_engine.kvcache.spec import KVCacheGroupSpec, full_attention_groups
 from nebula_engine.model.config import ModelConfig
 from nebula_engine.model.gated_deltanet import GatedDeltaNet
 from nebula_engine.model.layers import RMSNorm, RopeAttention
+from nebula_engine.model.rotary import share_rotary_embeddings
 from nebula_engine.model.weights import load_named_weights
 
 
@@ -59,6 +60,7 @@ class CausalLM(nn.Module, ABC):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        share_rotary_embeddings(self)
 
     @abstractmethod
     def make_layer(self, layer_idx: int) -> nn.Module:
