@@ -8,7 +8,8 @@ result, a long JSON record, goes back in a ``role: "tool"`` message wrapped in `
 every later turn wherever it lands. The same scripted conversation runs against three servers, one after another,
 each started fresh: PIC with the engine's default backend, PIC with ``full`` (exact: it must give PIC off's
 answers), and PIC off. Per turn it prints prompt tokens, cached tokens (``usage.prompt_tokens_details``) and the time
-to the first streamed token, then whether ``full`` answered exactly as PIC off.
+to the first streamed token, then whether ``full`` answered exactly as PIC off. ``--write-docs`` writes the
+results page ``docs/results/agent-loop.md``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,11 @@ import json
 import sys
 import time
 
+from pathlib import Path
+
 from serve_process import free_port, start_server, stop_server
+
+ROOT = Path(__file__).resolve().parents[1]
 
 ORDERS = {
     f"W{1000 + i}": {
@@ -66,8 +71,9 @@ def timed_turn(client, model: str, messages: list[dict], max_tokens: int) -> tup
                                                       "function": {"name": "", "arguments": ""}})
                 entry["function"]["name"] += call.function.name or ""
                 entry["function"]["arguments"] += call.function.arguments or ""
-    message = {"role": "assistant", "content": content or None}
-    if calls:
+    message = {"role": "assistant", "content": content}
+    if calls:  # content may be null only beside tool calls (the chat API's rule)
+        message["content"] = content or None
         message["tool_calls"] = [calls[i] for i in sorted(calls)]
     return message, first if first is not None else time.perf_counter() - started, usage
 
@@ -106,6 +112,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--default-backend", default="auto", help="the PIC backend of the first run")
     parser.add_argument("--out", help="write every run's rows here (JSON)")
+    parser.add_argument("--write-docs", action="store_true", help="write docs/results/agent-loop.md")
     args = parser.parse_args()
 
     import openai
@@ -123,7 +130,7 @@ def main() -> int:
         print(f"\npic backend {variant}:")
         print(f"{'turn':>4} {'step':>4} {'prompt':>7} {'cached':>7} {'ttft s':>7}  reply")
         for i, row in enumerate(results[variant]):
-            reply = "; ".join(row["calls"]) or (row["content"] or "")
+            reply = reply_text(row)
             print(f"{i:>4} {row['step']:>4} {row['prompt_tokens']:>7} {row['cached_tokens']:>7} "
                   f"{row['ttft_s']:>7.2f}  {reply[:70]!r}", flush=True)
     replies = {variant: [(r["calls"], r["content"]) for r in rows] for variant, rows in results.items()}
@@ -134,7 +141,40 @@ def main() -> int:
     if args.out:
         with open(args.out, "w") as out:
             json.dump(results, out, indent=1)
+    if args.write_docs:
+        print(f"wrote {write_docs(results, args.model, args.default_backend, exact, same_default)}")
     return 0 if exact else 1
+
+
+def reply_text(row: dict) -> str:
+    return "; ".join(row["calls"]) or (row["content"] or "")
+
+
+def write_docs(results: dict[str, list[dict]], model: str, default_backend: str, exact: bool,
+               same_default: bool) -> Path:
+    sys.path.insert(0, str(ROOT))
+    from nebula_engine.bench.results_page import ResultsPage, Table, write_page
+
+    header = ("turn", "step", "prompt tokens", "cached tokens", "TTFT s", "reply")
+    names = {default_backend: f"PIC backend `{default_backend}` (the default)", "full": "PIC backend `full` (exact)",
+             "none": "PIC off"}
+    tables = tuple(Table(header, tuple((i, row["step"], row["prompt_tokens"], row["cached_tokens"],
+                                        f"{row['ttft_s']:.2f}", reply_text(row)[:80])
+                                       for i, row in enumerate(rows)), caption=names[variant])
+                   for variant, rows in results.items())
+    page = ResultsPage(
+        name="agent-loop", title="An agent loop with tool results reused by PIC",
+        about=(f"A support agent on `{model}` served by `nebula-engine serve`, driven by the `openai` client: each "
+               "user turn the model calls `get_order` (parsed from its Hermes tool call, `tool_choice: auto`), and "
+               "the tool's JSON record goes back in a `role: \"tool\"` message inside `<pic>` tags, so its KV is "
+               "reused on later turns wherever it lands. The same scripted conversation runs against three fresh "
+               "servers: PIC with the default backend, PIC with `full` (exact) and PIC off; greedy decoding."),
+        tables=tables,
+        notes=(f"`full` replies equal PIC off's: {'yes' if exact else 'NO'}; `{default_backend}` replies equal PIC "
+               f"off's: {'yes' if same_default else 'no'}.",
+               "cached tokens: `usage.prompt_tokens_details.cached_tokens`, prompt tokens whose KV was used without "
+               "recomputation (prefix cache and PIC); TTFT: to the first streamed token, on a shared CPU (noisy)."))
+    return write_page(page, ROOT / "docs" / "results")
 
 
 if __name__ == "__main__":
