@@ -30,8 +30,7 @@ linear-attention layers + 1 full-attention layer.
     python tools/bench_forward.py --model qwen2.5-coder-0.5b --threads 2 --peer llamacpp \
         --prompt-len 512 2048 --decode-batches 1 32
 
-``--write-docs`` also writes the figures to the results page docs/results/engine-speed.md (``--peer llamacpp``:
-engine-speed-llamacpp.md).
+``--write-docs`` also writes the figures to the results page docs/results/engine-speed-<model>-vs-<peer>.md.
 """
 
 from __future__ import annotations
@@ -74,7 +73,7 @@ def parse_args() -> argparse.Namespace:
                         help="cpu: this process's CPU time instead of wall time, for a machine others load "
                              "(with --threads 1 it is the time the work takes when the core is ours)")
     parser.add_argument("--write-docs", action="store_true",
-                        help="also write the results page docs/results/engine-speed.md")
+                        help="also write the results page docs/results/engine-speed-<model>-vs-<peer>.md")
     return parser.parse_args()
 
 
@@ -314,7 +313,15 @@ def limit_share(fraction_text: str) -> str:
     return fraction_text.split("= ")[-1].removesuffix(" of limit").strip()
 
 
-def engine_speed_page(peer: str, header: str, rows: list[tuple], limits: tuple[float, float], read_gbs: float):
+def page_name(peer: str, model: str | None) -> str:
+    """``engine-speed-<model>-vs-<peer>``: one page per model and peer, so measuring another model keeps the
+    others' pages (a path is reduced to its file name without ``.gguf``)."""
+    subject = Path(model).name.lower().removesuffix(".gguf") if model else "random"
+    return f"engine-speed-{subject}-vs-{peer}"
+
+
+def engine_speed_page(peer: str, model: str | None, header: str, rows: list[tuple], limits: tuple[float, float],
+                      read_gbs: float):
     from nebula_engine.bench.results_page import ResultsPage, Table
 
     label = PEER_LABEL[peer]
@@ -325,8 +332,7 @@ def engine_speed_page(peer: str, header: str, rows: list[tuple], limits: tuple[f
     notes = (f"{how}; above 1.00 we are faster.",
              f"GEMM limit {limits[0]:.1f} GFLOP/s at the start, {limits[1]:.1f} at the end (how much the machine's "
              f"load changed meanwhile); memory-read limit {read_gbs:.1f} GB/s.")
-    name = "engine-speed" if peer == "transformers" else f"engine-speed-{peer}"
-    return ResultsPage(name, f"Engine speed against {label}", PAGE_ABOUT[peer], (table,), notes)
+    return ResultsPage(page_name(peer, model), f"Engine speed against {label}", PAGE_ABOUT[peer], (table,), notes)
 
 
 def build_peers(args: argparse.Namespace, checkpoint: str) -> tuple[dict, dict, list]:
@@ -424,7 +430,7 @@ def main() -> None:
     if args.write_docs:
         from nebula_engine.bench.results_page import write_page
 
-        page = engine_speed_page(args.peer, header, page_rows, (limit, end_limit), read_gbs)
+        page = engine_speed_page(args.peer, args.model, header, page_rows, (limit, end_limit), read_gbs)
         print(f"wrote {write_page(page)}")
 
 
