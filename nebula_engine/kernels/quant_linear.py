@@ -251,6 +251,19 @@ def quantized_linear_reference(x: torch.Tensor, weight: AnyQuantizedWeight,
     return F.linear(x, weight.dequantize().to(x.device, x.dtype), bias)
 
 
+def dequantize_rows(weight: QuantizedWeight, indices: torch.Tensor) -> torch.Tensor:
+    """Rows ``indices`` (any shape, int64) of ``weight`` dequantized: fp32 [*indices.shape, K] (an embedding
+    lookup into a table kept in its blocks). Reads only those rows' blocks."""
+    flat = indices.reshape(-1)
+    rows = weight.data.index_select(0, flat)
+    if not load():
+        picked = QuantizedWeight(rows, weight.qtype, (flat.numel(), weight.shape[1]))
+        return picked.dequantize().view(*indices.shape, weight.shape[1])
+    out = torch.empty(flat.numel(), weight.shape[1])
+    _KERNEL.dequantize(rows, int(weight.qtype), _BUILT_ISA if _ISA is None else _ISA, out)
+    return out.view(*indices.shape, weight.shape[1])
+
+
 def dequantize(weight: QuantizedWeight) -> torch.Tensor:
     """``weight.dequantize()`` by the kernel's own dequantizer (the one its GEMM path uses): fp32 [N, K]."""
     if not load():

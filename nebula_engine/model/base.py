@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from nebula_engine.kernels.attention import AttentionContext
+from nebula_engine.kernels.cpu_embedding import Embedding
 from nebula_engine.kernels.cpu_linear import Linear
 from nebula_engine.kvcache.spec import KVCacheGroupSpec, full_attention_groups
 from nebula_engine.model.config import ModelConfig
@@ -42,7 +43,7 @@ class DecoderStack(nn.Module):
 
     def __init__(self, config: ModelConfig, layers: list[nn.Module]):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

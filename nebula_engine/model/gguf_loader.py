@@ -137,9 +137,9 @@ class GGUFCheckpoint:
         With ``keep_blocks`` (asked for an fp32 model on CPU) a 2-D tensor stored in a block type that the CPU
         quantized-linear kernel computes with (F16, BF16, Q4_0 ... Q8_0, Q4_K, Q5_K, Q6_K) comes as a
         ``QuantizedWeight``: its blocks, a view of the file's read-only mapping, not a copy (llama's q/k rows, put
-        back in HF's order, are the exception). The weight loader puts those in the linear layers and dequantizes
-        the others (the embedding table, which lookups read by rows). A tied model's embedding comes once more as
-        ``lm_head.weight``, for the LM head to compute with its blocks. Without the kernel (no compiler) every
+        back in HF's order, are the exception). The weight loader puts those in the linear layers and the token
+        embedding (whose lookups dequantize the rows they read). A tied model's embedding comes once more as
+        ``lm_head.weight``, for the LM head to compute with the same blocks. Without the kernel (no compiler) every
         tensor is dequantized.
         """
         config = self.hf_config()

@@ -4,8 +4,8 @@ The only renaming is for MoE experts stored one by one on disk
 (``...experts.{e}.{gate,up,down}_proj.weight``), which land in slices of the stacked
 ``experts.gate_up_proj`` [E, 2I, Hd] / ``experts.down_proj`` [E, Hd, I] parameters.
 
-A checkpoint tensor may come as GGUF blocks (``QuantizedWeight``): a CPU fp32 linear layer then computes with the
-blocks in place of its parameter; anything else (an embedding, another device or dtype) gets them dequantized.
+A checkpoint tensor may come as GGUF blocks (``QuantizedWeight``): a CPU fp32 linear layer (or token embedding) then
+computes with the blocks in place of its parameter; anything else (another device or dtype) gets them dequantized.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from nebula_engine.kernels.cpu_embedding import Embedding
 from nebula_engine.kernels.cpu_linear import Linear
 from nebula_engine.kernels.quant_linear import QuantizedWeight
 from nebula_engine.model.layers import FusedProjections
@@ -60,9 +61,9 @@ def _copy_checked(dest: torch.Tensor, name: str, tensor: torch.Tensor) -> None:
     dest.copy_(tensor)
 
 
-def _block_taker(model: nn.Module, name: str) -> Linear | None:
-    """The linear layer that computes with GGUF blocks for checkpoint tensor ``name``: an fp32 CPU ``Linear``
-    weight, the LM head included (tied or not)."""
+def _block_taker(model: nn.Module, name: str) -> Linear | Embedding | None:
+    """The layer that computes with GGUF blocks for checkpoint tensor ``name``: an fp32 CPU ``Linear`` weight, the
+    LM head included (tied or not), or the token embedding's table."""
     module_name, _, kind = name.rpartition(".")
     if kind != "weight":
         return None
@@ -71,13 +72,13 @@ def _block_taker(model: nn.Module, name: str) -> Linear | None:
     except AttributeError:
         return None
     weight = getattr(module, "weight", None)
-    if (isinstance(module, Linear) and isinstance(weight, torch.Tensor) and weight.device.type == "cpu"
+    if (isinstance(module, (Linear, Embedding)) and isinstance(weight, torch.Tensor) and weight.device.type == "cpu"
             and weight.dtype == torch.float32):
         return module
     return None
 
 
-def _take_blocks(module: Linear, name: str, blocks: QuantizedWeight) -> None:
+def _take_blocks(module: Linear | Embedding, name: str, blocks: QuantizedWeight) -> None:
     if tuple(module.weight.shape) != tuple(blocks.shape):
         raise ValueError(f"shape mismatch for checkpoint tensor {name}: checkpoint {tuple(blocks.shape)}, "
                          f"model expects {tuple(module.weight.shape)}")

@@ -86,6 +86,19 @@ def test_kernel_dequantizes_exactly_as_the_referee(qtype, kernel_path):
 
 
 @pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda q: q.name)
+def test_looked_up_rows_are_the_referees_rows(qtype, kernel_path):
+    """An embedding lookup into blocks: rows in any order and shape, repeats included; an id out of range raises."""
+    weight = weight_of(qtype, 11, k_for(qtype, 2), seed=int(qtype) + 100)
+    ids = torch.tensor([[3, 0, 10], [3, 7, 7]])
+    rows = quant_linear.dequantize_rows(weight, ids)
+    assert rows.shape == (2, 3, weight.shape[1])
+    assert torch.equal(rows, weight.dequantize()[ids])
+    assert quant_linear.dequantize_rows(weight, torch.tensor([], dtype=torch.long)).shape == (0, weight.shape[1])
+    with pytest.raises(IndexError):
+        quant_linear.dequantize_rows(weight, torch.tensor([11]))
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda q: q.name)
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(rows=st.integers(1, quant_linear.GEMM_MIN_ROWS + 12), multiple=st.integers(1, 3),
        out_features=st.integers(1, 37), with_bias=st.booleans(), seed=st.integers(0, 2**16))

@@ -1,6 +1,7 @@
 """GGUF weights kept in their blocks (``quantization="gguf"``, the default on CPU in fp32): the model computes what
 the dequantize-at-load model computes, the blocks stay views of the mapped file, fused q/k/v stacks blocks of
-different types, and what cannot take blocks (an embedding, an untied LM head, bf16) is dequantized."""
+different types, the token embedding looks its rows up in blocks, and what cannot take blocks (bf16) is
+dequantized."""
 
 from __future__ import annotations
 
@@ -72,8 +73,10 @@ def test_blocks_compute_what_dequantized_weights_compute(qtype, checkpoint_facto
     assert isinstance(attention.qkv_weight, StackedQuantizedWeight)
     assert [part.qtype for part in attention.qkv_weight.parts] == [qtype] * 3
     assert isinstance(blocks.lm_head.weight, QuantizedWeight) and blocks.lm_head.weight.qtype == qtype
-    assert blocks.model.embed_tokens.weight.dtype == torch.float32  # row lookups read an fp32 table
-    assert "lm_head.weight" not in dict(blocks.named_parameters()) and not _quantized(dense)
+    table, head = blocks.model.embed_tokens.weight, blocks.lm_head.weight
+    assert isinstance(table, QuantizedWeight) and table.data.data_ptr() == head.data.data_ptr()  # tied: one copy
+    assert not {"lm_head.weight", "model.embed_tokens.weight"} & set(dict(blocks.named_parameters()))
+    assert not _quantized(dense)
 
 
 def test_blocks_are_views_of_the_mapped_file(checkpoint_factory, tmp_path, quantization_on):
@@ -94,6 +97,8 @@ def test_what_cannot_take_blocks_is_dequantized(checkpoint_factory, tmp_path, qu
     assert not config.tie_word_embeddings
     assert isinstance(untied.lm_head.weight, QuantizedWeight)  # an untied head computes with its own blocks
     assert isinstance(untied.model.layers[1].mlp.down_proj.weight, QuantizedWeight)
+    assert isinstance(untied.model.embed_tokens.weight, QuantizedWeight)  # its own blocks, not the head's
+    assert untied.model.embed_tokens.weight is not untied.lm_head.weight
     bf16, _, _ = load_model(str(path), dtype=torch.bfloat16)  # the kernel computes in fp32 only
     assert not _quantized(bf16) and bf16.model.layers[1].mlp.down_proj.weight.dtype == torch.bfloat16
     dequantized, _, _ = load_model(str(path), quantization="float32")
