@@ -60,6 +60,16 @@ class EngineStats:
     num_running: int = 0  # requests holding KV pages, prefilling or decoding
     alive: bool = True  # False once the loop has stopped: no request will be served
     kv_cache_usage: float = 0.0  # fraction of the KV pool's pages held by requests (``Scheduler.kv_cache_usage``)
+    # (kind "prefix" | "pic", tier "host" | "disk", tokens): reused KV found below the device and brought back, so far
+    tier_hit_tokens: tuple[tuple[str, str, int], ...] = ()
+
+
+_KIND_LABELS = {"pc": "prefix", "pic": "pic"}
+
+
+def tier_hits(promoted: Mapping) -> tuple[tuple[str, str, int], ...]:
+    """``CacheStore.promoted_tokens()`` as ``EngineStats.tier_hit_tokens``."""
+    return tuple((_KIND_LABELS[kind.value], tier.value, tokens) for (kind, tier), tokens in sorted(promoted.items()))
 
 
 @dataclass(frozen=True)
@@ -293,7 +303,8 @@ class AsyncLLMEngine:
                     self._step()
                 scheduler = self.engine.scheduler
                 self._stats = EngineStats(len(scheduler.waiting), len(scheduler.running),
-                                          kv_cache_usage=scheduler.kv_cache_usage)
+                                          kv_cache_usage=scheduler.kv_cache_usage,
+                                          tier_hit_tokens=tier_hits(self.engine.cache_store.promoted_tokens()))
         except BaseException:
             logger.exception("engine loop crashed; failing every request")
         finally:

@@ -261,6 +261,10 @@ class CacheStore:
         store = self.radix if kind is CacheKind.PC else self.pic
         return store.evict_one() is not None
 
+    def promoted_tokens(self) -> dict[tuple[CacheKind, Tier], int]:
+        """Tokens found on each lower tier and brought back to the device so far, per (kind, tier)."""
+        return dict(self.tiers.promoted_tokens) if self.tiers is not None else {}
+
     def occupancy(self) -> dict[tuple[CacheKind, Tier], int]:
         """Tokens held per (kind, tier)."""
         return self.snapshot().occupancy()

@@ -15,7 +15,7 @@ Events keep reporting the entry's tokens.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -70,6 +70,7 @@ class TierChain:
         self.events = events
         self.host = HostTier(config.host_capacity_tokens) if config.host_capacity_tokens else None
         self.disk = DiskTier(config.disk_path, config.disk_capacity_tokens) if config.disk_capacity_tokens else None
+        self.promoted_tokens: Counter[tuple[CacheKind, Tier]] = Counter()  # tokens brought back to the device
         for entry in self.disk.entries() if self.disk else ():  # persisted by an earlier process
             self.events.store(CacheKind(entry.kind), (entry.key,), entry.num_tokens, Tier.DISK)
 
@@ -141,6 +142,7 @@ class TierChain:
         if tier is Tier.HOST:
             num_tokens, payload, _ = self.host.pop((kind, key))
             self.events.move(kind, (key,), num_tokens, Tier.HOST, Tier.DEVICE)
+            self.promoted_tokens[kind, Tier.HOST] += num_tokens
             return payload
         if tier is Tier.DISK:
             num_tokens = self._disk_tokens(kind, key)
@@ -150,6 +152,7 @@ class TierChain:
                 return None
             self.disk.remove(kind.value, key)
             self.events.move(kind, (key,), num_tokens, Tier.DISK, Tier.DEVICE)
+            self.promoted_tokens[kind, Tier.DISK] += num_tokens
             return payload
         return None
 

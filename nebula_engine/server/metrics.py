@@ -9,7 +9,9 @@ evictions, ...) with ``ServerMetrics.register``.
 
 The ``nebula:`` series carry vLLM's names and meanings (``vllm:time_to_first_token_seconds`` ->
 ``nebula:time_to_first_token_seconds``, ...) and a ``model_name`` label, so a vLLM dashboard charts them with the
-prefix changed; PIC adds its own (``nebula:pic_*``). The older ``nebula_*`` series stay for existing scrapers.
+prefix changed; PIC adds its own (``nebula:pic_*``, and ``nebula:kv_tier_hit_tokens``: reused KV found on the host or
+disk tier). A cluster peer adds what it read from other peers (``nebula:kv_remote_read_*``, ``cluster.runtime.
+metrics``). The older ``nebula_*`` series stay for existing scrapers.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import time
 from typing import AsyncIterator, Callable, Iterable, Sequence
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from nebula_engine.engine.async_engine import EngineStats
@@ -35,6 +37,7 @@ REQUEST_TIME_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0
                         240.0, 480.0, 960.0, 1920.0, 7680.0)
 TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 FINISH_REASONS = ("stop", "length", "error", "abort")
+TIER_HIT_LABELS = tuple((kind, tier) for kind in ("prefix", "pic") for tier in ("host", "disk"))
 
 
 def package_version() -> str:
@@ -64,6 +67,13 @@ class _QueueCollector(Collector):
             gauge = GaugeMetricFamily(name, help_text, labels=["model_name"])
             gauge.add_metric([self._model_name], value)
             yield gauge
+        tiers = CounterMetricFamily("nebula:kv_tier_hit_tokens", "Reused tokens whose KV was found on a tier below "
+                                    "the device (host memory, disk) and brought back, by kind (prefix, pic) and tier",
+                                    labels=["model_name", "kind", "tier"])
+        found = {(kind, tier): tokens for kind, tier, tokens in stats.tier_hit_tokens}
+        for kind, tier in TIER_HIT_LABELS:
+            tiers.add_metric([self._model_name, kind, tier], found.get((kind, tier), 0))
+        yield tiers
         usage = GaugeMetricFamily("nebula:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
                                   labels=["model_name"])
         usage.add_metric([self._model_name], stats.kv_cache_usage)

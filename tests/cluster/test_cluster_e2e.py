@@ -48,6 +48,17 @@ def post(url: str, path: str, body: dict | None, timeout: float = 120.0, key: st
         return error.code, json.loads(error.read() or b"{}")
 
 
+def remote_reads_on_metrics(url: str, kind: str, model_name: str) -> tuple[float, float]:
+    """(tokens, bytes) of ``kind`` that ``/metrics`` says this peer read from others."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
+        text = response.read().decode()
+    found = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
+             if s.labels == {"model_name": model_name, "kind": kind}}
+    return found["nebula:kv_remote_read_tokens_total"], found["nebula:kv_remote_read_bytes_total"]
+
+
 def documents(seed: int, count: int, length: int = 24) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(100, 1000) for _ in range(length)] for _ in range(count)]
@@ -89,13 +100,18 @@ def test_segment_cached_on_one_peer_is_reused_on_another_via_nixl(cluster, model
     status, body = post(url, "/v1/completions", first)
     assert status == 200, body
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # its segments were prefilled for it
-    before = cluster.state("prefill-1")["transfer_bytes"]
-    leads_before = cluster.state("prefill-1")["lead_tokens_prefilled"]
+    state_before = cluster.state("prefill-1")
+    before, leads_before = state_before["transfer_bytes"], state_before["lead_tokens_prefilled"]
     permuted = rag_segments(system_b, docs[::-1], question)
     status, remote = post(url, "/v1/completions", completion(model_dir, permuted, prefill_peer="prefill-1"))
     assert status == 200, remote
-    assert cluster.state("prefill-1")["transfer_bytes"] > before  # the segments came from prefill-0
+    state_after = cluster.state("prefill-1")
+    assert state_after["transfer_bytes"] > before  # the segments came from prefill-0
     assert remote["usage"]["nebula"]["pic_cached_tokens"] == 72
+    # the three documents' tokens were read as PIC segments; /metrics says so with the served model's name
+    assert state_after["read_tokens"]["pic"] - state_before["read_tokens"].get("pic", 0) == 72
+    assert remote_reads_on_metrics(cluster.urls["prefill-1"], "pic", model_dir) == (
+        state_after["read_tokens"]["pic"], state_after["read_bytes"]["pic"])
     # read from KV that existed before and not recomputed; the new system prompt, prefilled while the reads ran,
     # is no hit
     recomputed = remote["usage"]["nebula"]["recomputed_tokens"]

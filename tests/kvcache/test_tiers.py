@@ -83,6 +83,7 @@ def test_demotion_cascades_host_to_disk_to_drop_and_promotion_returns_the_payloa
     assert chain.promote(CacheKind.PC, "b")["pages"][0].item() == ord("b")
     assert chain.promote(CacheKind.PC, "c")["pages"][0].item() == ord("c")
     assert chain.promote(CacheKind.PC, "a") is None
+    assert chain.promoted_tokens == {(CacheKind.PC, Tier.DISK): 4, (CacheKind.PC, Tier.HOST): 4}  # misses count none
     drained = events.drain_events()
     assert [(e.src, e.dst) for e in drained if isinstance(e, MoveEvent)][-2:] == [(Tier.DISK, Tier.DEVICE),
                                                                                   (Tier.HOST, Tier.DEVICE)]

@@ -94,19 +94,45 @@ def test_kv_cache_usage_is_read_at_scrape_time():
                 for family in text_string_to_metric_families(text) for s in family.samples}
     assert value(snapshot, "nebula:kv_cache_usage_perc") == 0.25
     assert (value(snapshot, "nebula:num_requests_waiting"), value(snapshot, "nebula:num_requests_running")) == (3, 2)
-    stats = EngineStats(num_waiting=0, num_running=1, kv_cache_usage=0.5)
-    assert "nebula:kv_cache_usage_perc{model_name=\"tiny-qwen3\"} 0.5" in metrics.render()[0].decode()
+    assert value(snapshot, "nebula:kv_tier_hit_tokens_total", kind="pic", tier="disk") == 0  # charted before a hit
+    stats = EngineStats(num_waiting=0, num_running=1, kv_cache_usage=0.5,
+                        tier_hit_tokens=(("prefix", "host", 32), ("pic", "disk", 7)))
+    text = metrics.render()[0].decode()
+    assert "nebula:kv_cache_usage_perc{model_name=\"tiny-qwen3\"} 0.5" in text
+    snapshot = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+    assert value(snapshot, "nebula:kv_tier_hit_tokens_total", kind="prefix", tier="host") == 32
+    assert value(snapshot, "nebula:kv_tier_hit_tokens_total", kind="pic", tier="disk") == 7
+
+
+def test_tier_hits_are_what_the_cache_store_brought_back_from_its_tiers(tmp_path):
+    """A segment evicted to the disk tier and found there again counts as a PIC disk hit on ``EngineStats``."""
+    from nebula_engine.engine.async_engine import tier_hits
+    from nebula_engine.kvcache.events import CacheKind, EventLog, Tier
+    from nebula_engine.kvcache.tiers import TierChain, TierConfig
+
+    chain = TierChain(TierConfig(disk_capacity_tokens=16, disk_path=str(tmp_path)), EventLog(0))
+    chain.demote(CacheKind.PIC, "segment", 9, {"pages": []})
+    chain.flush()
+    assert chain.promote(CacheKind.PIC, "segment") is not None
+    assert tier_hits(chain.promoted_tokens) == (("pic", "disk", 9),)
+    assert tier_hits({(CacheKind.PC, Tier.HOST): 16}) == (("prefix", "host", 16),)
+    chain.close()
 
 
 def test_the_grafana_dashboard_charts_only_series_the_server_exposes(server):
+    # a labelled series has samples once a request recorded one (whatever ran before in this worker)
+    openai_client(server).completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, temperature=0,
+                                             extra_body={"ignore_eos": True})
     exposed = {name for name, _ in samples(server)}
     dashboard = json.loads(DASHBOARD.read_text())
     expressions = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
     charted = {m for e in expressions for m in re.findall(r"(nebula[:_][a-z0-9_:]+)", e)}
-    cluster_only = {m for m in charted if m.startswith("nebula_kv_transfer")}  # a cluster peer's collector
-    assert charted - cluster_only and charted - cluster_only <= exposed
+    # a cluster peer's collector (tests/cluster/test_cluster_e2e.py reads them there)
+    cluster_only = {m for m in charted if m.startswith(("nebula_kv_transfer", "nebula:kv_remote_read"))}
+    assert charted - cluster_only and charted - cluster_only <= exposed, charted - cluster_only - exposed
     titles = {panel["title"] for panel in dashboard["panels"]}
-    assert {"Time to first token", "Inter-token latency", "Cache hit ratio: prefix / PIC"} <= titles
+    assert {"Time to first token", "Inter-token latency", "Cache hit ratio: prefix / PIC / remote"} <= titles
 
 
 def test_version_is_served(server):

@@ -127,7 +127,7 @@ class ClusterFrontend:
     def stats(self) -> EngineStats:
         local = self.engine.stats()
         serving = self.leader() is not None or self.has_quorum()
-        return EngineStats(local.num_waiting, local.num_running, alive=local.alive and serving)
+        return replace(local, alive=local.alive and serving)
 
     async def generate(self, request_id: str, prompt, params: SamplingParams,
                        pic_backend: str | None = ENGINE_DEFAULT,

@@ -103,7 +103,7 @@ class Handoffs:
             try:
                 state = await decode_state(msg.state)
                 pages = await self.engine.reserve_prefilled(engine_id, len(prompt))
-                await self.reads.read_pages(msg.sender, msg.pages[:len(pages)], pages)
+                await self.reads.read_pages(msg.sender, msg.pages[:len(pages)], pages, "handoff", len(prompt))
                 stream = self.engine.generate_prefilled(engine_id, prompt, msg.first_token, msg.first_logprob,
                                                         params, tuple(msg.cached), state)
             except (TransferError, ValueError, OutOfPagesError) as error:

@@ -218,7 +218,7 @@ class Peer:
         self.election.start()
         app = build_app(self.frontend, self.served_model_name, api_key=self.settings.api_key,
                         max_request_bytes=self.settings.max_request_bytes)
-        app.state.metrics.register(ClusterCollector(self.worker, self.router))
+        app.state.metrics.register(ClusterCollector(self.worker, self.router, self.served_model_name))
         add_cluster_route(app, self)
         server = uvicorn.Server(uvicorn.Config(app, host=self.me.api_host, port=self.me.http_port,
                                                log_level="warning", lifespan="off"))

@@ -53,13 +53,22 @@ class RemoteReads:
         self._pin_replies: dict[str, asyncio.Future] = {}
         # pins given up on (no reply in time, holder counted dead): their unpin, sent if the reply still comes
         self._abandoned_pins: collections.OrderedDict[str, wire.Msg] = collections.OrderedDict()
-        self.transfer_bytes = 0
         self.transfer_failures = 0
+        # by what was read: "prefix" and "pic" (reused KV), "handoff" (a prefilled request's KV for its decode)
+        self.read_bytes: collections.Counter[str] = collections.Counter()
+        self.read_tokens: collections.Counter[str] = collections.Counter()
 
-    async def read_pages(self, holder: str, remote_pages: list[int], pages: list[int]) -> None:
-        """Read ``holder``'s ``remote_pages`` into local ``pages``; TransferError or ValueError when that fails."""
-        self.transfer_bytes += await asyncio.to_thread(self.agent.read_pages, holder, remote_pages, pages,
-                                                       TRANSFER_TIMEOUT_S)
+    @property
+    def transfer_bytes(self) -> int:
+        return sum(self.read_bytes.values())
+
+    async def read_pages(self, holder: str, remote_pages: list[int], pages: list[int], kind: str,
+                         num_tokens: int) -> None:
+        """Read ``holder``'s ``remote_pages`` into local ``pages``, ``num_tokens`` tokens of ``kind`` (a key of
+        ``read_bytes``); TransferError or ValueError when that fails."""
+        self.read_bytes[kind] += await asyncio.to_thread(self.agent.read_pages, holder, remote_pages, pages,
+                                                         TRANSFER_TIMEOUT_S)
+        self.read_tokens[kind] += num_tokens
 
     def note_failure(self) -> None:
         """A transfer that failed elsewhere (a hand-off's read) counts with these."""
@@ -126,7 +135,7 @@ class RemoteReads:
                            source.peer, error)
             await self._release(pages)
             return False
-        if not await self._read_into(source.peer, reply.pages, pages, source.key):
+        if not await self._read_into(source.peer, reply.pages, pages, source.key, "pic", len(ids)):
             return False
         await self.engine.import_segment(source.key, len(ids), pages, state)
         return True
@@ -171,7 +180,9 @@ class RemoteReads:
         if len(remote_pages) <= have:
             return False
         pages = await self.engine.allocate_pages(len(remote_pages) - have)
-        if pages is None or not await self._read_into(holder, remote_pages[have:], pages, "a prefix"):
+        read_tokens = (len(remote_pages) - have) * self.engine.page_size
+        if pages is None or not await self._read_into(holder, remote_pages[have:], pages, "a prefix", "prefix",
+                                                      read_tokens):
             return False
         return await self.engine.import_prefix(token_ids[:len(remote_pages) * self.engine.page_size], pages, have)
 
@@ -190,11 +201,12 @@ class RemoteReads:
         while len(self._abandoned_pins) > MAX_ABANDONED_PINS:  # replies from holders that died never come
             self._abandoned_pins.popitem(last=False)
 
-    async def _read_into(self, holder: str, remote_pages: list[int], pages: list[int], what: str) -> bool:
+    async def _read_into(self, holder: str, remote_pages: list[int], pages: list[int], what: str, kind: str,
+                         num_tokens: int) -> bool:
         """Read ``holder``'s ``remote_pages`` into local ``pages``; on failure the pages are released (and ``what`` is
         recomputed)."""
         try:
-            await self.read_pages(holder, remote_pages, pages)
+            await self.read_pages(holder, remote_pages, pages, kind, num_tokens)
         except (TransferError, ValueError) as error:
             self.transfer_failures += 1
             logger.warning("reading %s from %s failed (%s): it will be recomputed", what, holder, error)

@@ -33,6 +33,7 @@ async def peer_state(peer: Peer) -> dict:
                        "lost": router.num_lost, "dead": sorted(router.dead),
                        "prefill_ms_per_token": router.config.profile.prefill.per_token_s * 1e3,
                        "idle_prefill_timings": peer.idle_timings},
-            "transfer_bytes": worker.transfer_bytes, "transfer_failures": worker.transfer_failures,
+            "transfer_bytes": worker.transfer_bytes, "read_bytes": worker.read_bytes, "read_tokens": worker.read_tokens,
+            "transfer_failures": worker.transfer_failures,
             "lead_tokens_prefilled": worker.lead_tokens_prefilled, "leads_for_others": worker.leads_for_others,
             "resubmitted": peer.frontend.num_resubmitted, "nixl_peers": sorted(peer.agent.peers), "pic": pic}

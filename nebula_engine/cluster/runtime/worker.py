@@ -55,6 +55,15 @@ class WorkerService:
         return self.reads.transfer_bytes
 
     @property
+    def read_bytes(self) -> dict[str, int]:
+        """KV bytes read from other peers, by what was read (prefix, pic, handoff)."""
+        return dict(self.reads.read_bytes)
+
+    @property
+    def read_tokens(self) -> dict[str, int]:
+        return dict(self.reads.read_tokens)
+
+    @property
     def transfer_failures(self) -> int:
         return self.reads.transfer_failures
 
