@@ -35,7 +35,7 @@ import torch
 
 from nebula_engine.config import EngineConfig
 from nebula_engine.engine.admission import ENGINE_DEFAULT, AdmittedRequest, EnginePrompt, admit
-from nebula_engine.engine.kv_gate import KVGate
+from nebula_engine.engine.kv_plan import ORDINARY, KVPlan
 from nebula_engine.engine.llm_engine import LLMEngine
 from nebula_engine.engine.outputs import RequestOutput
 from nebula_engine.engine.sampling_params import SamplingParams
@@ -76,9 +76,7 @@ def tier_hits(promoted: Mapping) -> tuple[tuple[str, str, int], ...]:
 class _Add:
     request_id: str
     request: AdmittedRequest
-    hold_kv: bool = False
-    kv_gate: KVGate | None = None
-    prefill_only: bool = False
+    kv_plan: KVPlan = ORDINARY
 
 
 @dataclass(frozen=True)
@@ -145,13 +143,13 @@ class AsyncLLMEngine:
         return admit(self.engine, prompt, params, pic_backend)
 
     async def generate(self, request_id: str, prompt: EnginePrompt, params: SamplingParams,
-                       pic_backend: str | None = ENGINE_DEFAULT, hold_kv: bool = False, route: str | None = None,
-                       kv_gate: KVGate | None = None) -> AsyncIterator[RequestOutput]:
+                       pic_backend: str | None = ENGINE_DEFAULT, route: str | None = None,
+                       kv_plan: KVPlan = ORDINARY) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs of ``request_id`` as they are produced; the last one has ``finished`` set.
 
         Invalid input raises ``ValueError`` on the first iteration, before anything is queued. Leaving the
-        iteration early (``aclose``, cancellation) aborts the request in the engine. ``kv_gate``: the request is
-        queued now and scheduled once the gate opens (``LLMEngine.add_admitted``).
+        iteration early (``aclose``, cancellation) aborts the request in the engine. ``kv_plan``
+        (``engine.kv_plan``): its pages held after it finishes, a gate it waits for in the queue.
         """
         if route is not None:
             raise ValueError("prefill_peer needs a cluster; this server runs one engine")
@@ -160,9 +158,9 @@ class AsyncLLMEngine:
         else:
             request = self.admit(prompt, params, pic_backend)
         channel = _OutputChannel(asyncio.get_running_loop())
-        if kv_gate is not None:
-            kv_gate.on_open = self._wake
-        self._submit(request_id, _Add(request_id, request, hold_kv, kv_gate), channel)
+        if kv_plan.gate is not None:
+            kv_plan.gate.on_open = self._wake
+        self._submit(request_id, _Add(request_id, request, kv_plan), channel)
         async for item in self._drain(request_id, channel):
             yield item
 
@@ -211,22 +209,25 @@ class AsyncLLMEngine:
         return await asyncio.get_running_loop().run_in_executor(self._cache_thread, locked)
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int]) -> RequestOutput:
-        """Compute a plain prompt's K/V into the prefix cache without sampling (``LLMEngine.add_admitted``'s
-        ``prefill_only``: no logits); its finished output, which carries no token."""
+        """Compute a plain prompt's K/V into the prefix cache without sampling (a ``prefill_only`` plan: no
+        logits); its finished output, which carries no token."""
         request = self.admit(list(prompt_token_ids), SamplingParams(max_tokens=1, temperature=0.0), None)
         channel = _OutputChannel(asyncio.get_running_loop())
-        self._submit(request_id, _Add(request_id, request, prefill_only=True), channel)
+        self._submit(request_id, _Add(request_id, request, KVPlan(prefill_only=True)), channel)
         last = None
         async for last in self._drain(request_id, channel):
             pass
         return last
 
     async def generate_held(self, request_id: str, prompt: EnginePrompt, params: SamplingParams,
-                            pic_backend: str | None = ENGINE_DEFAULT, kv_gate: KVGate | None = None) -> RequestOutput:
-        """Run a request whose pages stay allocated when it finishes (``LLMEngine.release_held`` frees them);
+                            pic_backend: str | None = ENGINE_DEFAULT, kv_plan: KVPlan = KVPlan(hold=True)
+                            ) -> RequestOutput:
+        """Run a request whose plan holds its pages when it finishes (``LLMEngine.release_held`` frees them);
         returns its finished output."""
+        if not kv_plan.hold:
+            raise ValueError("generate_held takes a plan that holds the pages")
         last = None
-        async for last in self.generate(request_id, prompt, params, pic_backend, hold_kv=True, kv_gate=kv_gate):
+        async for last in self.generate(request_id, prompt, params, pic_backend, kv_plan=kv_plan):
             pass
         return last
 
@@ -338,8 +339,7 @@ class AsyncLLMEngine:
         if not self._is_live(command.request_id):
             return  # aborted before it reached the engine
         try:
-            self.engine.add_admitted(command.request_id, command.request, hold_kv=command.hold_kv,
-                                     kv_gate=command.kv_gate, prefill_only=command.prefill_only)
+            self.engine.add_admitted(command.request_id, command.request, command.kv_plan)
         except Exception as exc:  # the request's fault (ValueError) or the engine's: either way only this one
             self._deliver_last(command.request_id, exc)
             return

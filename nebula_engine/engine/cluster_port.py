@@ -28,6 +28,7 @@ import torch
 
 from nebula_engine.engine.async_engine import AsyncLLMEngine, EnginePrompt, EngineStats
 from nebula_engine.engine.kv_gate import KVGate
+from nebula_engine.engine.kv_plan import ORDINARY, KVPlan
 from nebula_engine.engine.llm_engine import LLMEngine
 from nebula_engine.engine.outputs import RequestOutput
 from nebula_engine.engine.sampling_params import SamplingParams
@@ -113,13 +114,14 @@ class EngineClusterPort:
 
     # ---- requests (streamed by the async engine) ----
     def generate(self, request_id: str, prompt: EnginePrompt, params: SamplingParams,
-                 backend_spec, kv_gate: KVGate | None = None) -> AsyncIterator[RequestOutput]:
-        """``kv_gate``: queued now, scheduled once the KV it waits for has arrived (``LLMEngine.add_admitted``)."""
-        return self._async.generate(request_id, prompt, params, backend_spec, kv_gate=kv_gate)
+                 backend_spec, kv_plan: KVPlan = ORDINARY) -> AsyncIterator[RequestOutput]:
+        """``kv_plan`` (``engine.kv_plan``): e.g. a gate, queued now and scheduled once the KV it waits for has
+        arrived."""
+        return self._async.generate(request_id, prompt, params, backend_spec, kv_plan=kv_plan)
 
     async def generate_held(self, request_id: str, prompt: EnginePrompt, params: SamplingParams,
-                            backend_spec, kv_gate: KVGate | None = None) -> RequestOutput:
-        return await self._async.generate_held(request_id, prompt, params, backend_spec, kv_gate=kv_gate)
+                            backend_spec, kv_plan: KVPlan = KVPlan(hold=True)) -> RequestOutput:
+        return await self._async.generate_held(request_id, prompt, params, backend_spec, kv_plan)
 
     def generate_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token: int,
                            first_logprob: float, params: SamplingParams, cached: tuple[int, ...],

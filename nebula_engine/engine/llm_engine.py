@@ -11,7 +11,7 @@ import torch
 from nebula_engine.config import EngineConfig, ModelConfig
 from nebula_engine.engine.admission import ENGINE_DEFAULT, AdmittedRequest, admit
 from nebula_engine.engine.kv_cache_builder import KVCache, build_kv_cache
-from nebula_engine.engine.kv_gate import KVGate
+from nebula_engine.engine.kv_plan import ORDINARY, KVPlan
 from nebula_engine.engine.model_runner import ModelRunner, latent_attention_backend
 from nebula_engine.engine.output_processor import OutputProcessor
 from nebula_engine.engine.pic_executor import PICExecutor
@@ -97,31 +97,27 @@ class LLMEngine:
         return eos
 
     def add_request(self, request_id: str, prompt_token_ids: list[int] | SegmentedPrompt, params: SamplingParams,
-                    prompt: str | None = None, pic_backend: str | None = ENGINE_DEFAULT, hold_kv: bool = False,
-                    prefill_only: bool = False) -> None:
+                    prompt: str | None = None, pic_backend: str | None = ENGINE_DEFAULT,
+                    kv_plan: KVPlan = ORDINARY) -> None:
         """Admit (``admission.admit``) and queue a request. A ``SegmentedPrompt`` (``tokenizer.segment_prompt`` /
         ``segment_chat``) marks its PIC segments; ``pic_backend`` overrides the engine's for this request (None: no
-        PIC, same token ids). ``prefill_only``: see ``add_admitted``."""
-        self.add_admitted(request_id, admit(self, prompt_token_ids, params, pic_backend, prompt), hold_kv,
-                          prefill_only=prefill_only)
+        PIC, same token ids). ``kv_plan``: see ``add_admitted``."""
+        self.add_admitted(request_id, admit(self, prompt_token_ids, params, pic_backend, prompt), kv_plan)
 
-    def add_admitted(self, request_id: str, request: AdmittedRequest, hold_kv: bool = False,
-                     kv_gate: KVGate | None = None, prefill_only: bool = False) -> None:
-        """Queue a request admitted for this engine; it is not checked again. ``kv_gate``: it is not scheduled
-        before that gate opens (KV it needs is still arriving), and keeps its place in the queue meanwhile.
-        ``prefill_only``: a plain prompt whose K/V is computed (its full pages enter the prefix cache) and that
-        finishes then without a token, computing no logits (a peer prefilling a prompt's lead for another)."""
+    def add_admitted(self, request_id: str, request: AdmittedRequest, kv_plan: KVPlan = ORDINARY) -> None:
+        """Queue a request admitted for this engine; it is not checked again. ``kv_plan`` (``engine.kv_plan``):
+        whether its pages are held after it finishes, whether it waits for a gate, whether it only prefills."""
         if request_id in self._sequences or request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if prefill_only and (request.segmented is not None or request.params.n > 1 or hold_kv):
-            raise ValueError("prefill_only takes a plain token-id prompt with n = 1 whose pages are not held")
+        if kv_plan.prefill_only and (request.segmented is not None or request.params.n > 1):
+            raise ValueError("prefill_only takes a plain token-id prompt with n = 1")
         if request.params.n > 1:
-            self._add_parent(request_id, request, hold_kv, kv_gate)
+            self._add_parent(request_id, request, kv_plan)
             return
-        self._add_sequence(request_id, request, request.params, hold_kv, kv_gate, prefill_only)
+        self._add_sequence(request_id, request, request.params, kv_plan)
 
-    def _add_parent(self, request_id: str, request: AdmittedRequest, hold_kv: bool, kv_gate: KVGate | None) -> None:
-        if hold_kv:
+    def _add_parent(self, request_id: str, request: AdmittedRequest, kv_plan: KVPlan) -> None:
+        if kv_plan.hold:
             raise ValueError("n > 1 cannot hold its pages for a prefill -> decode hand-off")
         parent = ParentRequest(request_id, request.params.n)
         taken = [c for c in parent.child_ids if c in self._sequences or c in self._parents]
@@ -130,15 +126,13 @@ class LLMEngine:
         self._parents[request_id] = parent
         for index, child_id in enumerate(parent.child_ids):
             self._parent_of[child_id] = parent
-            self._add_sequence(child_id, request, request.params.for_completion(index), False, kv_gate)
+            self._add_sequence(child_id, request, request.params.for_completion(index), kv_plan)
 
-    def _add_sequence(self, request_id: str, request: AdmittedRequest, params: SamplingParams, hold_kv: bool,
-                      kv_gate: KVGate | None = None, prefill_only: bool = False) -> None:
+    def _add_sequence(self, request_id: str, request: AdmittedRequest, params: SamplingParams,
+                      kv_plan: KVPlan) -> None:
         backend = request.backend if request.segmented is not None else None  # it combines PIC segments only
         seq = Sequence(request_id, request.token_ids, params, request.text, request.segmented, backend)
-        seq.hold_kv = hold_kv
-        seq.kv_gate = kv_gate
-        seq.prefill_only = prefill_only
+        seq.kv_plan = kv_plan
         self._sequences[request_id] = seq
         self.output_processor.add(seq)
         self.scheduler.add(seq)
@@ -181,13 +175,13 @@ class LLMEngine:
     # ---- prefill / decode hand-off ----
 
     def held_block_table(self, request_id: str) -> list[int]:
-        """Pages of a finished ``hold_kv`` request (its prompt K/V, page by page)."""
+        """Pages of a finished request whose plan holds them (its prompt K/V, page by page)."""
         if request_id not in self.scheduler.held:
             raise KeyError(f"request {request_id!r} holds no pages")
         return list(self.scheduler.kv_cache.block_tables[request_id])
 
     def held_linear_state(self, request_id: str) -> dict[str, list[torch.Tensor]]:
-        """The linear-attention state after a finished ``hold_kv`` request's prompt, a CPU copy
+        """The linear-attention state after a finished held request's prompt, a CPU copy
         (``KVCacheStorage.linear_state``): what the decode peer continues from along with the pages. Its slot
         stays held with the pages until ``release_held``. Empty for models without linear-attention layers."""
         if request_id not in self.scheduler.held:
@@ -284,7 +278,7 @@ class LLMEngine:
         self.scheduler.advance(output, failed=result.failed)
         outputs = [self._fail(seq_id, exc) for seq_id, exc in result.failed.items()]
         outputs += [self._finish_prefilled(entry.seq) for entry in output.scheduled
-                    if entry.seq.prefill_only and entry.seq_id not in result.failed
+                    if entry.seq.kv_plan.prefill_only and entry.seq_id not in result.failed
                     and entry.seq.num_computed_tokens == entry.seq.num_tokens]
         for seq_id, (first, entries) in result.prompt_logprobs.items():
             if seq_id in self._sequences:  # not failed in this step's sampling
@@ -333,8 +327,8 @@ class LLMEngine:
         return self.output_processor.finish(self._sequences.pop(seq.seq_id))
 
     def _finish_prefilled(self, seq: Sequence) -> RequestOutput:
-        """A ``prefill_only`` sequence whose prompt is computed: finished with no token, as if ``max_tokens`` were
-        0 ("length")."""
+        """A sequence whose plan is ``prefill_only``, its prompt computed: finished with no token, as if
+        ``max_tokens`` were 0 ("length")."""
         self.scheduler.finish(seq, "length")
         return self.output_processor.finish(self._sequences.pop(seq.seq_id))
 

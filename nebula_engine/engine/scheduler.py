@@ -210,7 +210,7 @@ class Scheduler:
             seq.num_computed_tokens = 0
 
     def _entry(self, seq: Sequence, num_new: int) -> ScheduledSequence:
-        samples = seq.num_computed_tokens + num_new == seq.num_tokens and not seq.prefill_only
+        samples = seq.num_computed_tokens + num_new == seq.num_tokens and not seq.kv_plan.prefill_only
         return ScheduledSequence(seq, seq.num_computed_tokens, num_new, self.kv_cache.block_tables[seq.seq_id], samples,
                                  self.kv_cache.state_slot(seq.seq_id))
 
@@ -244,7 +244,7 @@ class Scheduler:
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
         self.running.remove(seq)
-        if seq.hold_kv:  # another engine reads its pages first (prefill -> decode hand-off)
+        if seq.kv_plan.hold:  # another engine reads its pages first (prefill -> decode hand-off)
             self.held.add(seq.seq_id)
         else:
             self.kv_cache.free(seq.seq_id)

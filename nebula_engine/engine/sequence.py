@@ -6,7 +6,7 @@ import enum
 import sys
 import time
 
-from nebula_engine.engine.kv_gate import KVGate
+from nebula_engine.engine.kv_plan import ORDINARY, KVPlan
 from nebula_engine.engine.outputs import RequestTimes
 from nebula_engine.engine.sampling_params import SamplingParams
 
@@ -46,10 +46,7 @@ class Sequence:
         self.num_preemptions = 0
         # later requests admitted while it waited (a PIC prompt may be passed; the scheduler bounds how often)
         self.num_times_passed = 0
-        self.hold_kv = False  # keep the pages after finishing, until the engine releases them
-        self.kv_gate: KVGate | None = None  # shut while KV it needs is still arriving (a cluster combine)
-        # caches its prompt's KV and finishes without a token: no logits are computed (a cluster peer's lead)
-        self.prefill_only = False
+        self.kv_plan: KVPlan = ORDINARY  # held pages, a KV gate, prefill only (``engine.kv_plan``)
         # time.monotonic() of its arrival, of its first admission by the scheduler, of its first token's forward
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_scheduled_time: float | None = None
@@ -57,7 +54,7 @@ class Sequence:
 
     @property
     def waits_for_kv(self) -> bool:
-        return self.kv_gate is not None and not self.kv_gate.is_open
+        return self.kv_plan.waits_for_kv
 
     def __repr__(self) -> str:
         return (f"Sequence({self.seq_id!r}, {self.status.value}, tokens={self.num_tokens}, "

@@ -14,6 +14,7 @@ from nebula_engine.config import EngineConfig
 from nebula_engine.engine.admission import admit
 from nebula_engine.engine.async_engine import AsyncLLMEngine
 from nebula_engine.engine.kv_gate import KVGate
+from nebula_engine.engine.kv_plan import KVPlan
 from nebula_engine.engine.llm_engine import LLMEngine
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -44,7 +45,7 @@ def test_a_gated_request_keeps_its_place_and_is_scheduled_when_its_gate_opens(qw
                 if output.finished:
                     expected[request_id] = output.outputs[0].token_ids
     gate = KVGate(["reads"])
-    engine.add_admitted("gated", admit(engine, [11, 12, 13, 14, 15], GREEDY, None), kv_gate=gate)
+    engine.add_admitted("gated", admit(engine, [11, 12, 13, 14, 15], GREEDY, None), KVPlan(gate=gate))
     engine.add_request("later", [21, 22, 23], GREEDY)
     finished = {}
     while "later" not in finished:  # the later request runs to the end past the gated one
@@ -102,6 +103,6 @@ def test_an_engine_holding_only_a_gated_request_sleeps_until_the_gate_opens(asyn
 
 async def _last(engine: AsyncLLMEngine, request_id: str, prompt: list[int], gate: KVGate | None = None):
     last = None
-    async for last in engine.generate(request_id, prompt, GREEDY, None, kv_gate=gate):
+    async for last in engine.generate(request_id, prompt, GREEDY, None, kv_plan=KVPlan(gate=gate)):
         pass
     return last

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from nebula_engine import LLM, SamplingParams
+from nebula_engine.engine.kv_plan import KVPlan
 from nebula_engine.pic.segments import SegmentedPrompt, segment_token_lists
 from tests.model_cases import CASES_BY_NAME
 
@@ -35,7 +36,7 @@ def run(engine, request_id: str):
 
 
 def prefill_and_hold(engine, request_id: str, prompt: list[int]):
-    engine.add_request(request_id, prompt, replace(GREEDY, max_tokens=1), hold_kv=True)
+    engine.add_request(request_id, prompt, replace(GREEDY, max_tokens=1), kv_plan=KVPlan(hold=True))
     return run(engine, request_id).outputs[0]
 
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from nebula_engine import LLM, SamplingParams
+from nebula_engine.engine.kv_plan import KVPlan
 from nebula_engine.kvcache.events import CacheIndex, CacheKind, EvictEvent, Tier
 from nebula_engine.pic.segments import PromptSegment, SegmentedPrompt, SegmentKind
 from tests.model_cases import CASES_BY_NAME
@@ -229,7 +230,7 @@ def test_a_prefill_only_request_caches_its_prompt_without_computing_logits(cache
     engine = cached.llm_engine
     rows = _counting_logits(engine, monkeypatch)
     lead = random_tokens(40, seed=30)  # 5 full pages
-    engine.add_request("lead", lead, GREEDY, prefill_only=True)
+    engine.add_request("lead", lead, GREEDY, kv_plan=KVPlan(prefill_only=True))
     [done] = _run_engine(engine).values()
     assert done.finished and done.outputs[0].token_ids == [] and done.outputs[0].finish_reason == "length"
     assert rows == []  # no logits for it
@@ -244,7 +245,7 @@ def test_a_prefill_only_request_batched_with_others_changes_none_of_their_tokens
     engine = cached.llm_engine
     rows = _counting_logits(engine, monkeypatch)
     prompt = random_tokens(21, seed=32)
-    engine.add_request("lead", random_tokens(24, seed=33), GREEDY, prefill_only=True)
+    engine.add_request("lead", random_tokens(24, seed=33), GREEDY, kv_plan=KVPlan(prefill_only=True))
     engine.add_request("other", prompt, GREEDY)
     first_step = engine.step()
     assert [o.request_id for o in first_step if o.finished] == ["lead"] and rows[0] == 1  # one row: "other"'s
@@ -255,11 +256,11 @@ def test_a_prefill_only_request_batched_with_others_changes_none_of_their_tokens
 def test_prefill_only_takes_only_a_plain_single_completion_prompt(cached):
     engine, ids = cached.llm_engine, random_tokens(16, seed=34)
     with pytest.raises(ValueError, match="prefill_only"):
-        engine.add_request("n2", ids, SamplingParams(n=2, max_tokens=1), prefill_only=True)
+        engine.add_request("n2", ids, SamplingParams(n=2, max_tokens=1), kv_plan=KVPlan(prefill_only=True))
     with pytest.raises(ValueError, match="prefill_only"):
-        engine.add_request("held", ids, GREEDY, hold_kv=True, prefill_only=True)
+        KVPlan(hold=True, prefill_only=True)
     segmented = SegmentedPrompt(tuple(ids), (PromptSegment(SegmentKind.REGULAR, 0, 8),
                                              PromptSegment(SegmentKind.PIC, 8, 8)))
     with pytest.raises(ValueError, match="prefill_only"):
-        engine.add_request("pic", segmented, GREEDY, prefill_only=True)
+        engine.add_request("pic", segmented, GREEDY, kv_plan=KVPlan(prefill_only=True))
     assert not engine.has_unfinished_requests()

@@ -25,6 +25,7 @@ from nebula_engine.cluster.runtime.worker_codec import (OutputStream, decode_sta
                                                         failure, output_to_wire, params_from_wire, params_to_wire)
 from nebula_engine.engine.cluster_port import EngineClusterPort
 from nebula_engine.engine.kv_gate import KVGate
+from nebula_engine.engine.kv_plan import KVPlan
 from nebula_engine.engine.sampling_params import SamplingParams
 from nebula_engine.kvcache.pool import OutOfPagesError
 from nebula_engine.pic.segments import SegmentedPrompt
@@ -52,7 +53,7 @@ class Handoffs:
         """``fresh``: the combine's ``MadeForRequest`` (its prompt tokens that are no cache hits)."""
         engine_id = engine_request_id(msg.request_id, msg.attempt)
         first = await self.engine.generate_held(engine_id, segmented, replace(params, max_tokens=1), backend,
-                                                kv_gate=gate)
+                                                KVPlan(hold=True, gate=gate))
         made = (await fresh).tokens(segmented, first.num_prefix_cached_tokens)
         completion = first.outputs[0]
         done_here = completion.finish_reason == "stop" or params.max_tokens == 1

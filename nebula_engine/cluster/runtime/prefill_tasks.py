@@ -29,6 +29,7 @@ from nebula_engine.cluster.runtime.worker_codec import (OutputStream, engine_req
                                                         segmented_from_wire)
 from nebula_engine.engine.cluster_port import EngineClusterPort
 from nebula_engine.engine.kv_gate import KVGate
+from nebula_engine.engine.kv_plan import KVPlan
 from nebula_engine.pic.layout import CombineLayout
 from nebula_engine.pic.segments import SegmentedPrompt
 
@@ -258,7 +259,7 @@ class PrefillTasks:
         engine_id = engine_request_id(msg.request_id, msg.attempt)
         made = None  # the prompt's counts are those of the first output: worked out once, not per token
         stream = OutputStream(self.name, msg.request_id, msg.attempt)
-        async for output in self.engine.generate(engine_id, segmented, params, backend, kv_gate=gate):
+        async for output in self.engine.generate(engine_id, segmented, params, backend, KVPlan(gate=gate)):
             if made is None:
                 made = (await fresh).tokens(segmented, output.num_prefix_cached_tokens)
                 logger.debug("combine %s: first token; %d prompt tokens, %d from the prefix cache, %d PIC reused, "
