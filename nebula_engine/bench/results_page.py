@@ -128,6 +128,7 @@ class ResultsPage:
     notes: tuple[str, ...] = ()  # definitions of the columns, caveats of this run
     png: Path | None = None  # a plot the tool wrote; copied beside the page as <name>.png
     command: str = field(default_factory=invoked_command)
+    output: str = ""  # text the measured command printed, shown as is (a tool that measures another command)
 
     def __post_init__(self) -> None:
         if not self.name or Path(self.name).name != self.name or self.name.endswith(".md"):
@@ -142,6 +143,8 @@ class ResultsPage:
             parts += ["", table.markdown()]
         if self.notes:
             parts += ["", *(f"- {note}" for note in self.notes)]
+        if self.output:
+            parts += ["", "What the command printed last:", "", "```", self.output.rstrip("\n"), "```"]
         if self.png is not None:
             parts += ["", f"![{self.title}]({self.name}.png)"]
         return "\n".join(parts) + "\n"
