@@ -38,7 +38,7 @@ class Peers:
         self.sent: asyncio.Queue = asyncio.Queue()
         self.liveness = Liveness("front", PEERS, dead_after_s=3.0, clock=self.clock)
         self.front = ClusterFrontend("front", engine, lambda peer, msg: self.sent.put_nowait((peer, msg)),
-                                     lambda: "prefill-0", lambda: True, lambda msg: None, ["prefill-0"],
+                                     lambda: "prefill-0", lambda: True, ["prefill-0"],
                                      self.liveness, failover_timeout_s=10.0)
 
     async def final(self, request_id: str, prompt: list[int], params: SamplingParams) -> RequestOutput:

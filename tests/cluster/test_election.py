@@ -29,8 +29,7 @@ import json, sys, threading
 from nebula_engine.cluster.runtime.election import EtcdAccess, ElectionSpec, make_election
 spec = json.loads(sys.argv[1])
 spec["etcd_access"] = EtcdAccess(**spec.get("etcd_access", {}))
-election = make_election(ElectionSpec(**spec))
-election.on_change = lambda leader: print("leader", leader or "-", flush=True)
+election = make_election(ElectionSpec(**spec), on_change=lambda leader: print("leader", leader or "-", flush=True))
 election.start()
 sys.stdin.read()
 election.stop()
@@ -184,9 +183,8 @@ def test_etcd_over_tls_with_a_user_elects_and_refuses_peers_without_credentials(
 
 def test_single_raft_peer_leads_itself_and_reports_every_change():
     threads_before = set(threading.enumerate())
-    election = RaftElection("solo", f"127.0.0.1:{free_port()}", {})
     seen: list[str | None] = []
-    election.on_change = seen.append
+    election = RaftElection("solo", f"127.0.0.1:{free_port()}", {}, on_change=seen.append)
     election.start()
     try:
         assert election.wait_for_leader(timeout=10) == "solo"

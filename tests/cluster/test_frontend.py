@@ -30,7 +30,7 @@ class Harness:
         self.sent: asyncio.Queue = asyncio.Queue()
         self.liveness = Liveness("front", PEERS, dead_after_s=3.0, clock=self.clock)
         self.front = ClusterFrontend("front", engine, lambda peer, msg: self.sent.put_nowait((peer, msg)),
-                                     lambda: self.leader, lambda: self.quorum, lambda msg: None,
+                                     lambda: self.leader, lambda: self.quorum,
                                      ["prefill-0", "prefill-1"], self.liveness, failover_timeout_s=10.0, max_losses=4)
         self.received: list = []
 

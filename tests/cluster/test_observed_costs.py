@@ -11,6 +11,7 @@ import pytest
 from nebula_engine.cluster.control.config import ClusterConfig
 from nebula_engine.cluster.control.observed_costs import ObservedTransferCosts
 from nebula_engine.cluster.runtime import wire
+from nebula_engine.cluster.runtime.liveness import Liveness
 from nebula_engine.cluster.runtime.router import RouterService
 from test_router import Clock, submit
 
@@ -52,7 +53,8 @@ def router(observe: bool):
     sent, clock = [], Clock()
     service = RouterService("prefill-0", ["prefill-0", "prefill-1"], ["decode-0"], ClusterConfig(num_prefill_workers=2),
                             "nebula", lambda peer, msg: sent.append((peer, msg)),
-                            lambda spec, ids: "pic-" + "-".join(map(str, ids)), clock=clock,
+                            lambda spec, ids: "pic-" + "-".join(map(str, ids)),
+                            Liveness("prefill-0", ["prefill-0", "prefill-1", "decode-0"], clock=clock),
                             observe_transfers=observe)
     service.activate()
     sent.clear()

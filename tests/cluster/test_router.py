@@ -10,6 +10,7 @@ from nebula_engine.cluster.runtime import wire
 from nebula_engine.cluster.control.config import ClusterConfig
 from nebula_engine.cluster.control.messages import CacheKind, DoneEvent, EvictEvent, MoveEvent, StoreEvent, Tier
 from nebula_engine.cluster.control.request_keys import block_segments, prompt_keys
+from nebula_engine.cluster.runtime.liveness import Liveness
 from nebula_engine.cluster.runtime.router import RouterService
 
 
@@ -21,13 +22,18 @@ class Clock:
         return self.now
 
 
+def liveness_of(name: str, clock, peers=("prefill-0", "prefill-1", "decode-0")) -> Liveness:
+    """The peer's one liveness tracker, which the router reads (3 s, the peers' default timeout)."""
+    return Liveness(name, peers, dead_after_s=3.0, clock=clock)
+
+
 @pytest.fixture
 def router():
     sent: list[tuple[str, wire.Msg]] = []
     clock = Clock()
     service = RouterService("prefill-0", ["prefill-0", "prefill-1"], ["decode-0"], ClusterConfig(num_prefill_workers=2),
                             "nebula", lambda peer, msg: sent.append((peer, msg)),
-                            lambda spec, ids: "pic-" + "-".join(map(str, ids)), clock=clock)
+                            lambda spec, ids: "pic-" + "-".join(map(str, ids)), liveness_of("prefill-0", clock))
     service.activate()
     sent.clear()
     return service, sent, clock
@@ -116,7 +122,7 @@ def test_a_silent_home_has_its_requests_reported_lost_and_the_front_end_plans_th
     sent.clear()
     clock.now += 1.0
     for peer in ("prefill-0", "decode-0"):
-        service.seen(peer)
+        service.liveness.heard(peer)
     clock.now += service.dead_after_s
     assert service.check_liveness() == ["prefill-1"]
     [(frontend, lost)] = sent
@@ -179,18 +185,20 @@ def test_a_new_leader_never_plans_on_a_peer_it_has_declared_dead(policy):
     config = replace(config, profile=replace(config.profile, shared_compute=True, node_cores=2.0))
     service = RouterService("decode-1", peers, ["decode-0", "decode-1"], config, policy,
                             lambda peer, msg: sent.append((peer, msg)),
-                            lambda spec, ids: "pic-" + "-".join(map(str, ids)), clock=clock)
+                            lambda spec, ids: "pic-" + "-".join(map(str, ids)),
+                            Liveness("decode-1", peers + ["decode-0", "decode-1"], dead_after_s=3.0, clock=clock))
     service.activate()  # a fresh leader: it thinks every peer alive until they stay silent
     clock.now += service.dead_after_s + 0.5
     for peer in ("prefill-0", "prefill-2", "decode-0"):
-        service.seen(peer)
+        service.liveness.heard(peer)
     assert service.check_liveness() == ["prefill-1"]
     sent.clear()
     for i in range(24):
         service.on_submit(submit(f"r{i}", [[50 + i] * 40, [80 + i % 3] * 30], route="prefill-1" if i % 2 else ""))
     assert {peer for peer, m in sent if isinstance(m, (wire.Combine, wire.Scatter))} <= {"prefill-0", "prefill-2"}
     assert not any(isinstance(m, wire.Failed) for _, m in sent)
-    service.seen("prefill-1")  # it came back
+    service.liveness.heard("prefill-1")  # it came back: its next message revives it
+    service.seen("prefill-1")
     sent.clear()
     for i in range(12):
         service.on_submit(submit(f"back{i}", [[120 + i] * 40], route="prefill-1"))
@@ -200,7 +208,7 @@ def test_a_new_leader_never_plans_on_a_peer_it_has_declared_dead(policy):
 def test_with_every_prefill_peer_dead_a_request_fails_at_once(router):
     service, sent, clock = router
     clock.now += service.dead_after_s + 0.5
-    service.seen("decode-0")
+    service.liveness.heard("decode-0")
     assert sorted(service.check_liveness()) == ["prefill-1"]  # the router's own peer is never declared dead
     service.control.view.set_down(0, True)  # as if prefill-0 were silent too
     sent.clear()
@@ -236,7 +244,7 @@ def test_a_lead_planned_on_another_peer_is_prefilled_there_and_read_as_the_homes
     config = config.with_profile(lead_while_waiting=True, combine_queues=True)
     service = RouterService("prefill-0", ["prefill-0", "prefill-1"], ["decode-0"], config, "nebula",
                             lambda peer, msg: sent.append((peer, msg)), lambda spec, ids: f"pic-{ids[0]}",
-                            clock=Clock())
+                            liveness_of("prefill-0", Clock()))
     service.activate()
     system, doc, question = list(range(100, 700)), [7] * 300, [9, 9]
     tokens = system + doc + question

@@ -19,9 +19,9 @@ PIC, PC = CacheKind.PIC, CacheKind.PC
 def leading_worker() -> tuple[CacheReporter, list[wire.Msg]]:
     """Worker 2, which leads itself: what it reports reaches ``heard``."""
     heard: list[wire.Msg] = []
-    worker = WorkerService("me", "prefill", 2, engine=None, agent=None, send=lambda peer, msg: None,
+    worker = WorkerService("me", "prefill", 2, engine=None, agent=None, send=lambda peer, msg: heard.append(msg),
                            leader=lambda: "me", pic_key=lambda spec, ids: "key",
-                           liveness=Liveness("me", ["me"], dead_after_s=3.0, clock=Clock()), local_router=heard.append)
+                           liveness=Liveness("me", ["me"], dead_after_s=3.0, clock=Clock()))
     return worker.reporter, heard
 
 
@@ -60,9 +60,10 @@ def test_a_cached_prompt_is_reported_one_pc_entry_per_segment_with_that_segments
     from nebula_engine.pic.segments import PromptSegment, SegmentedPrompt, SegmentKind
 
     heard: list[wire.Msg] = []
-    worker = WorkerService("me", "prefill", 2, EngineClusterPort(engine), agent=None, send=lambda peer, msg: None,
-                           leader=lambda: "me", pic_key=lambda spec, ids: "key",
-                           liveness=Liveness("me", ["me"], dead_after_s=3.0, clock=Clock()), local_router=heard.append)
+    worker = WorkerService("me", "prefill", 2, EngineClusterPort(engine), agent=None,
+                           send=lambda peer, msg: heard.append(msg), leader=lambda: "me",
+                           pic_key=lambda spec, ids: "key",
+                           liveness=Liveness("me", ["me"], dead_after_s=3.0, clock=Clock()))
     prompt = list(range(100, 125))  # 6 full pages of 4 tokens and one more token
     segmented = SegmentedPrompt(tuple(prompt), (PromptSegment(SegmentKind.REGULAR, 0, 8),
                                                 PromptSegment(SegmentKind.REGULAR, 8, 12),

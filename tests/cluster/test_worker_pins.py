@@ -104,9 +104,10 @@ def test_a_prefix_pin_waits_for_the_lead_prefilled_here_for_its_reader(engine):
     arriving while the lead is still in the engine, is answered once the lead's pages are cached (all of them),
     and the lead's task is reported done."""
     port, sent, reports = EngineClusterPort(engine), [], []
-    worker = WorkerService("me", "prefill", 0, port, agent=None, send=lambda peer, msg: sent.append((peer, msg)),
+    worker = WorkerService("me", "prefill", 0, port, agent=None,
+                           send=lambda peer, msg: reports.append(msg) if peer == "me" else sent.append((peer, msg)),
                            leader=lambda: "me", pic_key=lambda spec, ids: "key",
-                           liveness=Liveness("me", ["me", "home"], dead_after_s=3.0), local_router=reports.append)
+                           liveness=Liveness("me", ["me", "home"], dead_after_s=3.0))
     prompt_start = list(range(600, 618))  # four full pages and two tokens before the prompt's first PIC segment
     scatter = wire.ScatterLead(sender="router", task_id="r#0/lead", request_id="r", token_ids=prompt_start)
     pin = wire.PinPrefix(sender="home", tag="home/1", token_ids=prompt_start[:16])

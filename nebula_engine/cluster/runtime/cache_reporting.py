@@ -21,16 +21,15 @@ from nebula_engine.pic.segments import SegmentedPrompt
 
 
 class CacheReporter:
-    """``local_router``: where reports go when this peer leads (its own router, in process)."""
+    """``send``: the peer's one send path (to itself included: a report reaches its own router while it leads)."""
 
     def __init__(self, name: str, role: str, worker_index: int, engine: EngineClusterPort,
                  send: Callable[[str, wire.Msg], None], leader: Callable[[], str | None],
-                 local_router: Callable[[wire.Msg], None], pic_key: Callable[[str | None, list[int]], str]):
+                 pic_key: Callable[[str | None, list[int]], str]):
         self.name, self.role, self.worker_index = name, role, worker_index
         self.engine = engine
         self.send = send
         self.leader = leader
-        self.local_router = local_router
         self.pic_key = pic_key
         self.pc_page_keys: dict[str, set[str]] = {}  # radix page hash -> segment chain keys ending in it
         self._next_seq = 1  # sequence number of the next event reported to the router (cache events and task done)
@@ -38,11 +37,7 @@ class CacheReporter:
 
     def report(self, message: wire.Msg) -> None:
         leader = self.leader()
-        if leader is None:
-            return
-        if leader == self.name:
-            self.local_router(message)
-        else:
+        if leader is not None:
             self.send(leader, message)
 
     def task_done(self, task_id: str, request_id: str, transfers: list[wire.TransferTime] = ()) -> None:

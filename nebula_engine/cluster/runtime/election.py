@@ -43,11 +43,12 @@ RAFT_TIMEOUTS = {"raftMinTimeout": 0.4, "raftMaxTimeout": 1.0, "connectionRetryT
 class LeaderElection(ABC):
     """One per peer process. Subclasses report what they observe through ``_publish``."""
 
-    def __init__(self, self_id: str):
+    def __init__(self, self_id: str, on_change: LeaderCallback | None = None):
+        """``on_change``: told each new leader (None included), from a background thread."""
         if not self_id:
             raise ValueError("peer id must be a non-empty string")
         self.self_id = self_id
-        self.on_change: LeaderCallback | None = None
+        self.on_change = on_change
         self._leader: str | None = None
         self._quorum = False
         self._changed = threading.Condition()
@@ -109,8 +110,8 @@ class RaftElection(LeaderElection):
     which is only safe where nobody else can reach the Raft ports)."""
 
     def __init__(self, self_id: str, self_address: str, peer_addresses: Mapping[str, str],
-                 password: str | None = None):
-        super().__init__(self_id)
+                 password: str | None = None, on_change: LeaderCallback | None = None):
+        super().__init__(self_id, on_change)
         self._password = password
         self.self_address = _check_address(self_address)
         if peer_addresses.get(self_id, self_address) != self_address:
@@ -204,8 +205,8 @@ class EtcdElection(LeaderElection):
     """
 
     def __init__(self, self_id: str, host: str, port: int, ttl: float = 2.0, key: str = "/nebula/leader",
-                 access: EtcdAccess = EtcdAccess()):
-        super().__init__(self_id)
+                 access: EtcdAccess = EtcdAccess(), on_change: LeaderCallback | None = None):
+        super().__init__(self_id, on_change)
         if ttl <= 0:
             raise ValueError(f"lease ttl must be positive, got {ttl}")
         self.host, self.port, self.key = host, port, key
@@ -306,21 +307,25 @@ class ElectionSpec:
     key: str = "/nebula/leader"  # etcd key
 
 
-def _make_raft(spec: ElectionSpec) -> LeaderElection:
+def _make_raft(spec: ElectionSpec, on_change: LeaderCallback | None) -> LeaderElection:
     if spec.self_id not in spec.raft_peers:
         raise ValueError(f"raft peers {sorted(spec.raft_peers)} must include this peer {spec.self_id!r}")
-    return RaftElection(spec.self_id, spec.raft_peers[spec.self_id], spec.raft_peers, spec.raft_password)
+    return RaftElection(spec.self_id, spec.raft_peers[spec.self_id], spec.raft_peers, spec.raft_password,
+                        on_change=on_change)
 
 
-def _make_etcd(spec: ElectionSpec) -> LeaderElection:
+def _make_etcd(spec: ElectionSpec, on_change: LeaderCallback | None) -> LeaderElection:
     host, _, port = _check_address(spec.etcd_endpoint).rpartition(":")
-    return EtcdElection(spec.self_id, host, int(port), ttl=spec.ttl_s, key=spec.key, access=spec.etcd_access)
+    return EtcdElection(spec.self_id, host, int(port), ttl=spec.ttl_s, key=spec.key, access=spec.etcd_access,
+                        on_change=on_change)
 
 
-ELECTIONS: dict[str, Callable[[ElectionSpec], LeaderElection]] = {"raft": _make_raft, "etcd": _make_etcd}
+ELECTIONS: dict[str, Callable[[ElectionSpec, LeaderCallback | None], LeaderElection]] = {"raft": _make_raft,
+                                                                                         "etcd": _make_etcd}
 
 
-def make_election(spec: ElectionSpec) -> LeaderElection:
+def make_election(spec: ElectionSpec, on_change: LeaderCallback | None = None) -> LeaderElection:
+    """The election ``spec`` names; ``on_change`` is told each new leader (``LeaderElection``)."""
     if spec.backend not in ELECTIONS:
         raise ValueError(f"unknown election backend {spec.backend!r}; known: {', '.join(ELECTIONS)}")
-    return ELECTIONS[spec.backend](spec)
+    return ELECTIONS[spec.backend](spec, on_change)

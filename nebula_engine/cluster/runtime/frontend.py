@@ -100,7 +100,7 @@ class _Pending:
 class ClusterFrontend:
     def __init__(self, name: str, engine: AsyncLLMEngine, send: Callable[[str, wire.Msg], None],
                  leader: Callable[[], str | None], has_quorum: Callable[[], bool],
-                 deliver_local: Callable[[wire.Msg], None], prefill_peers: list[str], liveness: Liveness,
+                 prefill_peers: list[str], liveness: Liveness,
                  failover_timeout_s: float = DEFAULT_FAILOVER_TIMEOUT_S, max_losses: int = 8):
         self.name = name
         self.prefill_peers = prefill_peers
@@ -108,7 +108,6 @@ class ClusterFrontend:
         self.send = send
         self.leader = leader
         self.has_quorum = has_quorum
-        self.deliver_local = deliver_local
         self.liveness = liveness
         self.failover_timeout_s = failover_timeout_s
         self.max_losses = max_losses
@@ -189,7 +188,7 @@ class ClusterFrontend:
         for completion_id in self._completion_ids.pop(request_id, ()):
             pending = self._pending.pop(completion_id, None)
             if pending is not None and not pending.done and pending.server is not None:
-                self._send_to(pending.server, wire.Abort(sender=self.name, request_id=completion_id))
+                self.send(pending.server, wire.Abort(sender=self.name, request_id=completion_id))
 
     # ---- (re)submission ----
     def _submit(self, pending: _Pending) -> None:
@@ -198,7 +197,7 @@ class ClusterFrontend:
             pending.waiting_since = pending.waiting_since or self.liveness.clock()
             return  # submitted once a leader is known (check), or failed after failover_timeout_s
         pending.waiting_since = None
-        self._send_to(leader, self._attempt_submit(pending))
+        self.send(leader, self._attempt_submit(pending))
 
     def _attempt_submit(self, pending: _Pending) -> wire.Submit:
         """The current attempt: the original request, continued after what earlier attempts streamed."""
@@ -274,7 +273,7 @@ class ClusterFrontend:
         pending.done = output.finished
         pending.queue.put_nowait(output)
         if output.finished and not msg.finished:  # stopped on a stop string across the seam
-            self._send_to(msg.sender, wire.Abort(sender=self.name, request_id=msg.request_id))
+            self.send(msg.sender, wire.Abort(sender=self.name, request_id=msg.request_id))
 
     def _merged(self, pending: _Pending, finished: bool, finish_reason: str | None,
                 stop_reason: str | int | None) -> RequestOutput:
@@ -333,8 +332,3 @@ class ClusterFrontend:
                     pending.attempt += 1
                     self._submit(pending)
 
-    def _send_to(self, peer: str, message: wire.Msg) -> None:
-        if peer == self.name:
-            self.deliver_local(message)
-        else:
-            self.send(peer, message)

@@ -83,19 +83,20 @@ class Peer:
         settings, peer_names = self.settings, [p.name for p in self.spec.peers]
         self.liveness = Liveness(self.name, peer_names, settings.peer_timeout_s)
         self.worker = WorkerService(self.name, self.me.role, self.me.worker_index, self.port, self.agent,
-                                    self.send, lambda: self.leader_name, self._pic_key, self.liveness,
-                                    local_router=self.dispatch)
+                                    self.send, lambda: self.leader_name, self._pic_key, self.liveness)
         per_token_s = await self.port.prefill_seconds_per_token()
         logger.info("%s: prefill timed at start-up: %.4f ms a token", self.name, per_token_s * 1e3)
         config = measured_cluster_config(self.spec, self.port.kv_geometry, per_token_s,
                                          lead_while_waiting=self.port.combines_start_after_prefix)
         self.router = RouterService(self.name, [p.name for p in self.spec.prefill_peers],
                                     [p.name for p in self.spec.decode_peers], config, self.spec.policy,
-                                    self.send, self._pic_key, dead_after_s=settings.peer_timeout_s,
+                                    self.send, self._pic_key, self.liveness,
                                     observe_transfers=self.spec.observe_transfer_costs)
-        self.election = make_election(self._election_spec())
-        self.frontend = ClusterFrontend(self.name, self.engine, self.messenger.send, lambda: self.leader_name,
-                                        lambda: self.election.has_quorum, self.dispatch,
+        loop = asyncio.get_running_loop()
+        self.election = make_election(self._election_spec(),
+                                      on_change=lambda leader: loop.call_soon_threadsafe(self._refresh_leader))
+        self.frontend = ClusterFrontend(self.name, self.engine, self.send, lambda: self.leader_name,
+                                        lambda: self.election.has_quorum,
                                         [p.name for p in self.spec.prefill_peers], self.liveness,
                                         settings.failover_timeout_s, max_losses=len(peer_names))
 
@@ -114,6 +115,7 @@ class Peer:
 
     # ---- messaging ----
     def send(self, peer: str, message: wire.Msg) -> None:
+        """The one send path of every part of this peer: to another peer over the transport, to itself in process."""
         if peer == self.name:
             self.dispatch(message)
         else:
@@ -214,7 +216,6 @@ class Peer:
         for peer in self.spec.peers:
             if peer.name != self.name:
                 self.messenger.send(peer.name, self._hello(reply=False))
-        self.election.on_change = lambda leader: loop.call_soon_threadsafe(self._refresh_leader)
         self.election.start()
         app = build_app(self.frontend, self.served_model_name, api_key=self.settings.api_key,
                         max_request_bytes=self.settings.max_request_bytes)

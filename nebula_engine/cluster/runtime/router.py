@@ -5,9 +5,9 @@ that prefills the prompt's lead when it is not the home, and one ``Combine`` to 
 segment, the peer to fetch it from (and the peer to read the prompt's first pages from). A prompt's regular tokens
 are keyed in blocks (``request_keys.block_segments``), as the workers report them. The router never touches KV
 bytes. It keeps
-each request in flight until its combine is done. When a prefill peer stops answering (no message for
-``dead_after_s``), the view forgets what it held and the planner stays off it; every in-flight request whose
-combine home it was is reported lost to its front end (a resumable ``Failed``), which submits it again: only
+each request in flight until its combine is done. When a prefill peer stops answering (silent for the timeout of
+the peer's ``Liveness``, the one tracker every part of a peer reads), the view forgets what it held and the planner
+stays off it; every in-flight request whose combine home it was is reported lost to its front end (a resumable ``Failed``), which submits it again: only
 front ends start attempts, so two runs of one request never share an attempt number. A request that only reads a
 segment from the dead peer, or had a segment (or its lead) scattered to it, is not re-planned: its home's pin times
 out and the home computes it itself. A dead decode peer is the home's to handle (its hand-off fails).
@@ -22,11 +22,11 @@ fastest timing of the leader's engine (``faster_prefill_timed``: at start-up, th
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from nebula_engine.cluster.runtime import wire
+from nebula_engine.cluster.runtime.liveness import Liveness
 from nebula_engine.cluster.control.config import ClusterConfig
 from nebula_engine.cluster.control.control_plane import ControlPlane
 from nebula_engine.cluster.control.messages import Action, DoneEvent
@@ -49,8 +49,7 @@ class InFlight:
 class RouterService:
     def __init__(self, name: str, prefill_peers: list[str], decode_peers: list[str], config: ClusterConfig,
                  policy: str, send: Callable[[str, wire.Msg], None], pic_key: Callable[[str | None, list[int]], str],
-                 dead_after_s: float = 3.0, clock: Callable[[], float] = time.monotonic,
-                 observe_transfers: bool = False):
+                 liveness: Liveness, observe_transfers: bool = False):
         """``observe_transfers``: plan with the read latency and scatter dispatch the homes report
         (``ObservedTransferCosts``) instead of ``config``'s fixed values."""
         self.name = name
@@ -60,14 +59,13 @@ class RouterService:
         self.policy = policy
         self.send = send
         self.pic_key = pic_key
-        self.dead_after_s = dead_after_s
-        self.clock = clock
+        self.liveness = liveness
+        self.clock = liveness.clock
         self.observe_transfers = observe_transfers
         self.active = False
         self.control: ControlPlane | None = None
         self.observed: ObservedTransferCosts | None = None
         self.in_flight: dict[str, InFlight] = {}
-        self.last_seen: dict[str, float] = {}
         self.dead: set[str] = set()
         self.num_planned = 0
         self.num_lost = 0
@@ -78,8 +76,6 @@ class RouterService:
         self.control = ControlPlane(self.config, self.policy)
         self.observed = ObservedTransferCosts(self.config.profile) if self.observe_transfers else None
         self.in_flight.clear()
-        now = self.clock()
-        self.last_seen = {peer: now for peer in self.prefill_peers + self.decode_peers}
         self.dead = set()
         self.active = True
         for peer in self.prefill_peers:
@@ -119,7 +115,6 @@ class RouterService:
         if not self.active:
             self.deliver(msg.sender, wire.NotLeader(sender=self.name, request_id=msg.request_id, attempt=msg.attempt))
             return
-        self.seen(msg.sender)
         try:
             self._plan(msg, msg.attempt)
         except Exception as error:  # a planning bug must fail this request, not leave it waiting forever
@@ -190,7 +185,6 @@ class RouterService:
     def on_task_done(self, msg: wire.TaskDone) -> None:
         if not self.active:
             return
-        self.seen(msg.sender)
         self.control.on_event(DoneEvent(msg.worker_index, msg.seq, msg.task_id), self.clock())
         flight = self.in_flight.get(msg.request_id)
         if flight is not None and msg.task_id == flight.combine_task:
@@ -216,16 +210,19 @@ class RouterService:
     def on_cache_events(self, msg: wire.CacheEventMsg) -> None:
         if not self.active:
             return
-        self.seen(msg.sender)
         now = self.clock()
         if msg.snapshot:  # also restarts the worker's numbering: a restarted worker counts from 1 again
             self.control.view.forget_worker(msg.worker_index)
         for event in msg.events:
             self.control.on_event(event, now)
 
+    @property
+    def dead_after_s(self) -> float:
+        return self.liveness.dead_after_s
+
     def seen(self, peer: str) -> None:
-        self.last_seen[peer] = self.clock()
-        if peer in self.dead:  # it came back (restarted): plan on it again
+        """A message from ``peer`` came in (the peer told its ``Liveness`` first)."""
+        if peer in self.dead and self.liveness.alive(peer):  # it came back (restarted): plan on it again
             self.dead.discard(peer)
             if peer in self.prefill_peers:
                 self.control.view.set_down(self.prefill_peers.index(peer), False)
@@ -236,10 +233,10 @@ class RouterService:
         if not self.active:
             return []
         now = self.clock()
-        newly_dead = [p for p, t in self.last_seen.items()
-                      if p != self.name and p not in self.dead and now - t > self.dead_after_s]
+        newly_dead = [p for p in self.prefill_peers + self.decode_peers
+                      if p != self.name and p not in self.dead and not self.liveness.alive(p)]
         for peer in newly_dead:
-            logger.warning("peer %s silent for %.1f s: planning around it", peer, now - self.last_seen[peer])
+            logger.warning("peer %s silent for %.1f s: planning around it", peer, now - self.liveness.last_heard(peer))
             self.dead.add(peer)
             if peer in self.prefill_peers:
                 worker = self.prefill_peers.index(peer)

@@ -32,17 +32,16 @@ from nebula_engine.engine.cluster_port import EngineClusterPort
 
 
 class WorkerService:
-    """``local_router``: where reports go while this peer leads (its own router, in process); ``pic_key``: (wire
-    spec, segment ids) -> store key, the same function the router plans with."""
+    """``send``: the peer's one send path, to itself included (reports reach its own router while it leads);
+    ``pic_key``: (wire spec, segment ids) -> store key, the same function the router plans with."""
 
     def __init__(self, name: str, role: str, worker_index: int, engine: EngineClusterPort, agent: KVTransferAgent,
                  send: Callable[[str, wire.Msg], None], leader: Callable[[], str | None],
-                 pic_key: Callable[[str | None, list[int]], str], liveness: Liveness,
-                 local_router: Callable[[wire.Msg], None] = lambda message: None):
+                 pic_key: Callable[[str | None, list[int]], str], liveness: Liveness):
         self.name, self.role, self.worker_index = name, role, worker_index
         in_flight, self.streams, reads_expected = InFlightKeys(), Streams(), ReadsExpected(agent)
         self.in_flight = in_flight
-        self.reporter = CacheReporter(name, role, worker_index, engine, send, leader, local_router, pic_key)
+        self.reporter = CacheReporter(name, role, worker_index, engine, send, leader, pic_key)
         self.reads = RemoteReads(name, engine, agent, send, liveness)
         self.pins = PinServer(name, engine, send, in_flight, reads_expected)
         self.handoffs = Handoffs(name, engine, send, liveness, self.reads, reads_expected, self.streams)
