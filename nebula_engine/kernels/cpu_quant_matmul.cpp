@@ -404,6 +404,15 @@ inline void nibbles_512(const uint8_t* qs, __m512i* q) {
   q[1] = _mm512_srli_epi32(bytes, 4);
 }
 
+// The float of each lane's low 4 bits (less 8 when `kOffset`): one permute looks it up in a 16-float table, where a
+// mask and an int -> float conversion took two ops, and the conversion shared its port with the FMAs.
+template <bool kOffset>
+inline __m512 nibble_floats_512(__m512i lanes) {
+  const __m512 table = kOffset ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
+                               : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  return _mm512_permutexvar_ps(lanes, table);
+}
+
 inline void fifth_bits_512(uint32_t bits, __m512i* q) {
   const __m512i sixteen = _mm512_set1_epi32(16);
   q[0] = _mm512_mask_or_epi32(q[0], static_cast<__mmask16>(bits & 0xffffu), q[0], sixteen);
@@ -444,15 +453,11 @@ inline void dequant_chunk_512(const uint8_t* row, int64_t c, __m512* w) {
           _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * v))), 16));
   } else if constexpr (QT == kQ4_0 || QT == kQ4_1) {
     const uint8_t* b = row + c * (QT == kQ4_0 ? 18 : 20);
-    __m512i q[2];
-    nibbles_512(b + (QT == kQ4_0 ? 2 : 4), q);
-    if constexpr (QT == kQ4_0) {
-      for (int v = 0; v < 2; ++v) w[v] = ints_to_floats(_mm512_sub_epi32(q[v], _mm512_set1_epi32(8)));
-      scale_512(w, half_f16c(b));
-    } else {
-      for (int v = 0; v < 2; ++v) w[v] = ints_to_floats(q[v]);
-      scale_and_shift_512(w, half_f16c(b), half_f16c(b + 2));
-    }
+    const __m512i bytes = widen_u8(b + (QT == kQ4_0 ? 2 : 4));
+    w[0] = nibble_floats_512<QT == kQ4_0>(bytes);
+    w[1] = nibble_floats_512<QT == kQ4_0>(_mm512_srli_epi32(bytes, 4));
+    if constexpr (QT == kQ4_0) scale_512(w, half_f16c(b));
+    else scale_and_shift_512(w, half_f16c(b), half_f16c(b + 2));
   } else if constexpr (QT == kQ5_0 || QT == kQ5_1) {
     const uint8_t* b = row + c * (QT == kQ5_0 ? 22 : 24);
     __m512i q[2];
@@ -549,8 +554,15 @@ inline void quants_512(const uint8_t* row, int64_t c, __m512* q, __m128& dm) {
     constexpr int64_t kBytes = QT == kQ4_0 ? 18 : QT == kQ4_1 ? 20 : QT == kQ5_0 ? 22 : 24;
     constexpr bool kMin = QT == kQ4_1 || QT == kQ5_1;
     const uint8_t* b = row + c * kBytes;
+    if constexpr (QT == kQ4_0 || QT == kQ4_1) {  // each nibble looked up as its float: no mask, no conversion
+      const __m512i bytes = widen_u8(b + (QT == kQ4_0 ? 2 : 4));
+      q[0] = nibble_floats_512<QT == kQ4_0>(bytes);
+      q[1] = nibble_floats_512<QT == kQ4_0>(_mm512_srli_epi32(bytes, 4));
+      dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(load_u32(b))));
+      return;
+    }
     __m512i qi[2];
-    nibbles_512(b + (QT == kQ4_0 ? 2 : QT == kQ4_1 ? 4 : QT == kQ5_0 ? 6 : 8), qi);
+    nibbles_512(b + (QT == kQ5_0 ? 6 : 8), qi);
     if constexpr (QT == kQ5_0) {  // nibble | bit << 4, less 16: the nibble, less 16 where the bit is clear
       const uint32_t clear = ~load_u32(b + 2);
       const __m512i sixteen = _mm512_set1_epi32(16);
@@ -575,15 +587,17 @@ inline void quants_512(const uint8_t* row, int64_t c, __m512* q, __m128& dm) {
     kquant_scale_min(b + 4, s, sc, mn);
     const uint8_t* qs = b + (QT == kQ4_K ? 16 : 48) + (s >> 1) * 32;
     const __m128i shift = _mm_cvtsi32_si128(static_cast<int>((s & 1) * 4));
-    __m512i qi[2];
-    for (int v = 0; v < 2; ++v)
-      qi[v] = _mm512_and_si512(_mm512_srl_epi32(widen_u8(qs + 16 * v), shift), _mm512_set1_epi32(15));
-    if constexpr (QT == kQ5_K) {
+    if constexpr (QT == kQ4_K) {
+      for (int v = 0; v < 2; ++v) q[v] = nibble_floats_512<false>(_mm512_srl_epi32(widen_u8(qs + 16 * v), shift));
+    } else {
+      __m512i qi[2];
+      for (int v = 0; v < 2; ++v)
+        qi[v] = _mm512_and_si512(_mm512_srl_epi32(widen_u8(qs + 16 * v), shift), _mm512_set1_epi32(15));
       const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
       fifth_bits_512(static_cast<uint32_t>(_mm256_test_epi8_mask(qh, _mm256_set1_epi8(static_cast<char>(1 << s)))),
                      qi);
+      for (int v = 0; v < 2; ++v) q[v] = ints_to_floats(qi[v]);
     }
-    for (int v = 0; v < 2; ++v) q[v] = ints_to_floats(qi[v]);
     dm = _mm_set_ps(0.f, 0.f, -(half_f16c(b + 2) * static_cast<float>(mn)), half_f16c(b) * static_cast<float>(sc));
   }
 }
@@ -592,9 +606,10 @@ inline void quants_512(const uint8_t* row, int64_t c, __m512* q, __m128& dm) {
 template <int64_t QT>
 inline float row_dot_factored_512(const uint8_t* row, int64_t chunks, const float* x, const float* x_sums,
                                   int64_t ahead, int64_t stride) {
-  __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();  // two chains, so the FMAs overlap
-  __m128 mins = _mm_setzero_ps();
-  const auto step = [&](int64_t c, __m512& acc) {
+  // two chains of each sum, so consecutive chunks' FMAs overlap (one chain of mins bound a chunk to its latency)
+  __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
+  __m128 even_mins = _mm_setzero_ps(), odd_mins = _mm_setzero_ps();
+  const auto step = [&](int64_t c, __m512& acc, __m128& mins) {
     if (ahead > 0) _mm_prefetch(reinterpret_cast<const char*>(row + c * stride + ahead), _MM_HINT_T0);
     __m512 q[2];
     __m128 dm;
@@ -606,11 +621,11 @@ inline float row_dot_factored_512(const uint8_t* row, int64_t chunks, const floa
   };
   int64_t c = 0;
   for (; c + 1 < chunks; c += 2) {
-    step(c, even);
-    step(c + 1, odd);
+    step(c, even, even_mins);
+    step(c + 1, odd, odd_mins);
   }
-  if (c < chunks) step(c, even);
-  return _mm512_reduce_add_ps(_mm512_add_ps(even, odd)) + _mm_cvtss_f32(mins);
+  if (c < chunks) step(c, even, even_mins);
+  return _mm512_reduce_add_ps(_mm512_add_ps(even, odd)) + _mm_cvtss_f32(_mm_add_ss(even_mins, odd_mins));
 }
 
 template <int64_t QT>
