@@ -8,9 +8,11 @@ Three sub-packages, each importable on its own:
 - ``sim``: a discrete-event simulator that runs that same control plane over modelled workers, links and
   caches (``worker_cache``, ``hardware``), with arrival rates expressed against simulated capacity.
 - ``runtime``: the real cluster. Peers (``peer``) with a ZMQ transport, NIXL transfers, Raft election,
-  the router, workers that drive an engine through ``engine.cluster_port``, and the OpenAI front end.
+  the router, workers that drive an engine through its two ports (``engine.kv_port``, ``engine.request_port``),
+  and the OpenAI front end.
 
 The dependency rule (tested in ``tests/test_dependency_rule.py``): ``sim`` and ``runtime`` import
 ``control``; ``control`` imports neither, nor ``workloads``, the engine or the server; ``sim`` and ``runtime``
-never import each other.
+never import each other. ``runtime`` imports of the engine only those ports and a short list of its plain data
+types, and no attribute chain in it reaches past a port into the engine's internals (tested there too).
 """

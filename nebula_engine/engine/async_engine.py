@@ -7,8 +7,8 @@ Invariants:
   holds for everything it does but a step's forward passes (``kvcache.cache_lock``). Other threads only read what
   ``LLMEngine.__init__`` fixed: ``admit``, ``resolve_request_backend`` and ``segment_key`` (pure functions of
   the model and config), ``max_model_len``, ``tokenizer``, the KV pool's geometry and tensors, and the
-  thread-safe grammar compiler's cache. A cluster peer's worker reaches the engine only through
-  ``engine.cluster_port.EngineClusterPort``, which follows these rules.
+  thread-safe grammar compiler's cache. A cluster peer reaches the engine only through its two
+  ports, ``engine.kv_port.KVPort`` and ``engine.request_port.RequestPort``, which follow these rules.
 - A request is admitted (``admission.admit``) in ``generate``, on the caller's side, before it is queued; the
   loop thread adds it as admitted.
 - Callers hand commands over through a deque guarded by a condition variable; the loop thread sleeps on it
@@ -182,8 +182,8 @@ class AsyncLLMEngine:
     async def call(self, fn):
         """Run ``fn(engine)`` on the loop thread between two steps and return its result (or raise its error).
 
-        This is how other components (the cluster's ``EngineClusterPort``) touch engine state without racing the
-        loop."""
+        This is how other components (the engine's ports, ``KVPort`` and ``RequestPort``) touch engine state
+        without racing the loop."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         with self._wakeup:

@@ -21,6 +21,7 @@ from nebula_engine.cluster.runtime.liveness import Liveness
 from nebula_engine.cluster.runtime.transfer import nixl_available
 from nebula_engine.cluster.runtime.worker_codec import OutputStream, params_from_wire
 from nebula_engine.engine.outputs import Logprob, RequestOutput
+from nebula_engine.engine.request_port import RequestPort
 from tests.model_cases import CASES_BY_NAME, checkpoint_factory  # noqa: F401  (fixture)
 
 PEERS = ["front", "prefill-0", "decode-0"]
@@ -37,9 +38,10 @@ class Peers:
         self.engine, self.clock = engine, Clock()
         self.sent: asyncio.Queue = asyncio.Queue()
         self.liveness = Liveness("front", PEERS, dead_after_s=3.0, clock=self.clock)
-        self.front = ClusterFrontend("front", engine, lambda peer, msg: self.sent.put_nowait((peer, msg)),
-                                     lambda: "prefill-0", lambda: True, ["prefill-0"],
-                                     self.liveness, failover_timeout_s=10.0)
+        self.front = ClusterFrontend("front", RequestPort(engine),
+                                     lambda peer, msg: self.sent.put_nowait((peer, msg)),
+                                     lambda: "prefill-0", lambda: True, ["prefill-0"], self.liveness,
+                                     failover_timeout_s=10.0)
 
     async def final(self, request_id: str, prompt: list[int], params: SamplingParams) -> RequestOutput:
         last = None

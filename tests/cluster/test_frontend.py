@@ -14,6 +14,7 @@ from nebula_engine.cluster.runtime.frontend import ClusterFrontend
 from nebula_engine.cluster.runtime.liveness import Liveness
 from nebula_engine.cluster.runtime.worker_codec import output_to_wire, params_from_wire
 from nebula_engine.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineError
+from nebula_engine.engine.request_port import RequestPort
 from nebula_engine.engine.tokenizer import IncrementalDetokenizer
 from nebula_engine.pic.backends import get_pic_backend
 from nebula_engine.pic.segments import segment_token_lists
@@ -29,7 +30,8 @@ class Harness:
         self.engine, self.clock, self.leader, self.quorum = engine, Clock(), leader, quorum
         self.sent: asyncio.Queue = asyncio.Queue()
         self.liveness = Liveness("front", PEERS, dead_after_s=3.0, clock=self.clock)
-        self.front = ClusterFrontend("front", engine, lambda peer, msg: self.sent.put_nowait((peer, msg)),
+        self.front = ClusterFrontend("front", RequestPort(engine),
+                                     lambda peer, msg: self.sent.put_nowait((peer, msg)),
                                      lambda: self.leader, lambda: self.quorum,
                                      ["prefill-0", "prefill-1"], self.liveness, failover_timeout_s=10.0, max_losses=4)
         self.received: list = []

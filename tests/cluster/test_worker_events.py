@@ -19,8 +19,8 @@ PIC, PC = CacheKind.PIC, CacheKind.PC
 def leading_worker() -> tuple[CacheReporter, list[wire.Msg]]:
     """Worker 2, which leads itself: what it reports reaches ``heard``."""
     heard: list[wire.Msg] = []
-    worker = WorkerService("me", "prefill", 2, engine=None, agent=None, send=lambda peer, msg: heard.append(msg),
-                           leader=lambda: "me", pic_key=lambda spec, ids: "key",
+    worker = WorkerService("me", "prefill", 2, kv=None, requests=None, agent=None,
+                           send=lambda peer, msg: heard.append(msg), leader=lambda: "me", pic_key=lambda spec, ids: "key",
                            liveness=Liveness("me", ["me"], dead_after_s=3.0, clock=Clock()))
     return worker.reporter, heard
 
@@ -55,12 +55,13 @@ def test_pc_pages_are_reported_only_as_the_loss_of_the_prompt_segments_they_end(
 def test_a_cached_prompt_is_reported_one_pc_entry_per_segment_with_that_segments_own_tokens(engine):
     """As the router records a dispatched prompt and the simulator reports one: a segment's PC entry counts its
     own tokens, not the whole prefix through it (which would count the first segment once per later one)."""
-    from nebula_engine.engine.cluster_port import EngineClusterPort
+    from nebula_engine.engine.kv_port import KVPort
+    from nebula_engine.engine.request_port import RequestPort
     from nebula_engine.engine.sampling_params import SamplingParams
     from nebula_engine.pic.segments import PromptSegment, SegmentedPrompt, SegmentKind
 
     heard: list[wire.Msg] = []
-    worker = WorkerService("me", "prefill", 2, EngineClusterPort(engine), agent=None,
+    worker = WorkerService("me", "prefill", 2, KVPort(engine), RequestPort(engine), agent=None,
                            send=lambda peer, msg: heard.append(msg), leader=lambda: "me",
                            pic_key=lambda spec, ids: "key",
                            liveness=Liveness("me", ["me"], dead_after_s=3.0, clock=Clock()))

@@ -11,7 +11,8 @@ from nebula_engine.cluster.runtime import wire
 from nebula_engine.cluster.runtime.liveness import Liveness
 from nebula_engine.cluster.runtime.worker import WorkerService
 from nebula_engine.engine.async_engine import AsyncLLMEngine
-from nebula_engine.engine.cluster_port import EngineClusterPort
+from nebula_engine.engine.kv_port import KVPort
+from nebula_engine.engine.request_port import RequestPort
 from nebula_engine.engine.sampling_params import SamplingParams
 from nebula_engine.pic.segments import PromptSegment, SegmentedPrompt, SegmentKind
 
@@ -21,7 +22,7 @@ def worker_with_dead_holder(engine: AsyncLLMEngine) -> tuple[WorkerService, list
     clock, sent = Clock(), []
     liveness = Liveness("me", ["me", "holder"], dead_after_s=3.0, clock=clock)
     clock.now += 10.0
-    worker = WorkerService("me", "prefill", 0, EngineClusterPort(engine), agent=None,
+    worker = WorkerService("me", "prefill", 0, KVPort(engine), RequestPort(engine), agent=None,
                            send=lambda peer, msg: sent.append((peer, msg)), leader=lambda: "me",
                            pic_key=lambda spec, ids: "key", liveness=liveness)
     return worker, sent
@@ -75,8 +76,9 @@ class RecordingAgent:
 
 
 def test_the_agent_progresses_fast_only_while_a_peer_holds_a_pin(engine):
-    port, agent, sent = EngineClusterPort(engine), RecordingAgent(), []
-    worker = WorkerService("me", "prefill", 0, port, agent=agent, send=lambda peer, msg: sent.append((peer, msg)),
+    port, agent, sent = KVPort(engine), RecordingAgent(), []
+    worker = WorkerService("me", "prefill", 0, port, RequestPort(engine), agent=agent,
+                           send=lambda peer, msg: sent.append((peer, msg)),
                            leader=lambda: "me", pic_key=lambda spec, ids: "key",
                            liveness=Liveness("me", ["me", "reader"], dead_after_s=3.0))
     ids, prompt = list(range(500, 512)), list(range(520, 540))
@@ -103,8 +105,8 @@ def test_a_prefix_pin_waits_for_the_lead_prefilled_here_for_its_reader(engine):
     """A ``ScatterLead`` prefills a prompt's lead here for another peer's combine; that peer's pin of the prefix,
     arriving while the lead is still in the engine, is answered once the lead's pages are cached (all of them),
     and the lead's task is reported done."""
-    port, sent, reports = EngineClusterPort(engine), [], []
-    worker = WorkerService("me", "prefill", 0, port, agent=None,
+    port, sent, reports = KVPort(engine), [], []
+    worker = WorkerService("me", "prefill", 0, port, RequestPort(engine), agent=None,
                            send=lambda peer, msg: reports.append(msg) if peer == "me" else sent.append((peer, msg)),
                            leader=lambda: "me", pic_key=lambda spec, ids: "key",
                            liveness=Liveness("me", ["me", "home"], dead_after_s=3.0))
@@ -130,8 +132,9 @@ def test_a_pin_waiting_for_a_combines_own_cold_segment_is_answered_once_it_is_st
     (it waited 0.89 s for a 4,591-token combine in a default compare)."""
     from nebula_engine.engine.kv_gate import KVGate
 
-    port, sent = EngineClusterPort(engine), []
-    worker = WorkerService("me", "prefill", 0, port, agent=None, send=lambda peer, msg: sent.append((peer, msg)),
+    port, sent = KVPort(engine), []
+    worker = WorkerService("me", "prefill", 0, port, RequestPort(engine), agent=None,
+                           send=lambda peer, msg: sent.append((peer, msg)),
                            leader=lambda: "me", pic_key=lambda spec, ids: port.segment_key(spec, ids),
                            liveness=Liveness("me", ["me", "reader"], dead_after_s=3.0))
     ids = list(range(700, 712))

@@ -15,7 +15,7 @@ import msgspec
 
 from nebula_engine.cluster.control.request_keys import block_segments, prompt_keys
 from nebula_engine.cluster.runtime import wire
-from nebula_engine.engine.cluster_port import EngineClusterPort
+from nebula_engine.engine.kv_port import KVPort
 from nebula_engine.kvcache.events import CacheEvent, CacheKind, EvictEvent, MoveEvent, StoreEvent, Tier
 from nebula_engine.pic.segments import SegmentedPrompt
 
@@ -23,11 +23,11 @@ from nebula_engine.pic.segments import SegmentedPrompt
 class CacheReporter:
     """``send``: the peer's one send path (to itself included: a report reaches its own router while it leads)."""
 
-    def __init__(self, name: str, role: str, worker_index: int, engine: EngineClusterPort,
+    def __init__(self, name: str, role: str, worker_index: int, kv: KVPort,
                  send: Callable[[str, wire.Msg], None], leader: Callable[[], str | None],
                  pic_key: Callable[[str | None, list[int]], str]):
         self.name, self.role, self.worker_index = name, role, worker_index
-        self.engine = engine
+        self.kv = kv
         self.send = send
         self.leader = leader
         self.pic_key = pic_key
@@ -63,14 +63,14 @@ class CacheReporter:
         asyncio.get_running_loop().create_task(self.pc_events(segmented, spec))
 
     async def pc_events(self, segmented: SegmentedPrompt, spec: str | None) -> None:
-        if not self.engine.caches_prefixes:
+        if not self.kv.caches_prefixes:
             return
         blocks = block_segments([(s.kind.value, segmented.segment_ids(s)) for s in segmented.segments])
         keys = prompt_keys("", blocks, lambda ids: self.pic_key(spec, ids))
         ends = itertools.accumulate(len(ids) for _, ids in blocks)
-        page_counts = [-(-end // self.engine.page_size) for end in ends]
+        page_counts = [-(-end // self.kv.page_size) for end in ends]
         # one hash per block whose last page is cached, up to the first that is not (or no longer) cached
-        hashes = await self.engine.cached_prefix_hashes(list(segmented.token_ids), page_counts)
+        hashes = await self.kv.cached_prefix_hashes(list(segmented.token_ids), page_counts)
         events = []
         for num_tokens, key, block_hash in zip(keys.tokens, keys.pc_keys, hashes):
             self.pc_page_keys.setdefault(block_hash, set()).add(key)
@@ -83,7 +83,7 @@ class CacheReporter:
         if self.role != "prefill":
             return
 
-        drained = await self.engine.drain_cache_events(snapshot)
+        drained = await self.kv.drain_cache_events(snapshot)
         if snapshot:  # every PIC entry with the tier it is on (PC is reported per segment, by pc_events)
             events = [StoreEvent(self.worker_index, 0, CacheKind.PIC, (key,), tokens, tier)
                       for key, tokens, tier in drained.pic_entries]

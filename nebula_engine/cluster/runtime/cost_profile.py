@@ -10,7 +10,7 @@ import torch
 from nebula_engine.cluster.control.config import ClusterConfig, ClusterProfile, TransferLink
 from nebula_engine.cluster.runtime.spec import ClusterSpec
 from nebula_engine.devices import machine_cores
-from nebula_engine.engine.cluster_port import KVGeometry
+from nebula_engine.engine.port_types import KVGeometry
 
 LOOPBACK_BANDWIDTH_BYTES_PER_S = 1.0e9  # what NIXL moves between two local peers, about
 PREFILL_FIXED_S = 0.01
@@ -19,7 +19,7 @@ PREFILL_FIXED_S = 0.01
 def measured_cluster_config(spec: ClusterSpec, kv: KVGeometry, prefill_per_token_s: float,
                             lead_while_waiting: bool = True) -> ClusterConfig:
     """``ClusterProfile.load()`` with this engine's KV geometry and ``prefill_per_token_s`` (measured with
-    ``EngineClusterPort.prefill_seconds_per_token``); every link is loopback. A read's fixed cost (the pin round
+    ``RequestPort.prefill_seconds_per_token``); every link is loopback. A read's fixed cost (the pin round
     trip and the insert) is the spec's ``remote_read_latency_s``, paid once per source (``TransferCosts.latency``);
     a segment scattered to another peer also pays its ``scatter_dispatch_s`` (``TransferCosts.dispatch``).
 

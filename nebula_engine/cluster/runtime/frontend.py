@@ -1,6 +1,6 @@
 """The cluster's ``EngineClient``: what every peer's HTTP API talks to.
 
-A request is admitted here (``admission.admit`` with the local engine: its limits, its PIC backend resolved to a
+A request is admitted here (``RequestPort.admit`` with the local engine: its limits, its PIC backend resolved to a
 spec every peer reads the same), submitted to the current leader's router, and its outputs arrive from whichever
 peer serves it. Each submission has an attempt number; only outputs of the current attempt are passed on, and only
 the front end starts a new one. A request for ``n > 1`` completions is fanned out here, as a single engine's parallel
@@ -34,11 +34,11 @@ import msgspec
 from nebula_engine.cluster.runtime import wire
 from nebula_engine.cluster.runtime.liveness import DEFAULT_FAILOVER_TIMEOUT_S, Liveness
 from nebula_engine.cluster.runtime.worker_codec import candidates_from_wire, params_to_wire
-from nebula_engine.engine.admission import ENGINE_DEFAULT, AdmittedRequest
-from nebula_engine.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineError, EngineStats
 from nebula_engine.engine.output_processor import find_stop_string
 from nebula_engine.engine.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from nebula_engine.engine.parallel_sampling import ParentRequest, child_request_id
+from nebula_engine.engine.port_types import EngineDeadError, EngineError, EngineStats
+from nebula_engine.engine.request_port import ENGINE_DEFAULT, AdmittedRequest, RequestPort
 from nebula_engine.engine.sampling_params import SamplingParams
 from nebula_engine.engine.tokenizer import Tokenizer
 from nebula_engine.pic.segments import SegmentKind
@@ -98,13 +98,13 @@ class _Pending:
 
 
 class ClusterFrontend:
-    def __init__(self, name: str, engine: AsyncLLMEngine, send: Callable[[str, wire.Msg], None],
+    def __init__(self, name: str, requests: RequestPort, send: Callable[[str, wire.Msg], None],
                  leader: Callable[[], str | None], has_quorum: Callable[[], bool],
                  prefill_peers: list[str], liveness: Liveness,
                  failover_timeout_s: float = DEFAULT_FAILOVER_TIMEOUT_S, max_losses: int = 8):
         self.name = name
         self.prefill_peers = prefill_peers
-        self.engine = engine
+        self.requests = requests
         self.send = send
         self.leader = leader
         self.has_quorum = has_quorum
@@ -117,14 +117,14 @@ class ClusterFrontend:
 
     @property
     def tokenizer(self) -> Tokenizer:
-        return self.engine.tokenizer
+        return self.requests.tokenizer
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        return self.requests.max_model_len
 
     def stats(self) -> EngineStats:
-        local = self.engine.stats()
+        local = self.requests.stats()
         serving = self.leader() is not None or self.has_quorum()
         return replace(local, alive=local.alive and serving)
 
@@ -161,7 +161,7 @@ class ClusterFrontend:
         with ``params.for_completion(i)``; their outputs share one queue."""
         if route is not None and route not in self.prefill_peers:
             raise ValueError(f"prefill_peer {route!r} is not a prefill peer of this cluster: {self.prefill_peers}")
-        request = self.engine.admit(prompt, params, pic_backend)
+        request = self.requests.admit(prompt, params, pic_backend)
         ids = [request_id] if params.n == 1 else [child_request_id(i, request_id) for i in range(params.n)]
         taken = [i for i in dict.fromkeys([request_id, *ids]) if i in self._pending or i in self._completion_ids]
         if taken:

@@ -23,9 +23,10 @@ from nebula_engine.cluster.runtime.remote_reads import TRANSFER_TIMEOUT_S, Remot
 from nebula_engine.cluster.runtime.transfer import TransferError
 from nebula_engine.cluster.runtime.worker_codec import (OutputStream, decode_state, encode_state, engine_request_id,
                                                         failure, output_to_wire, params_from_wire, params_to_wire)
-from nebula_engine.engine.cluster_port import EngineClusterPort
+from nebula_engine.engine.kv_port import KVPort
 from nebula_engine.engine.kv_gate import KVGate
 from nebula_engine.engine.kv_plan import KVPlan
+from nebula_engine.engine.request_port import RequestPort
 from nebula_engine.engine.sampling_params import SamplingParams
 from nebula_engine.kvcache.pool import OutOfPagesError
 from nebula_engine.pic.segments import SegmentedPrompt
@@ -36,10 +37,11 @@ HANDOFF_TIMEOUT_S = TRANSFER_TIMEOUT_S + 5  # a live decode peer reads within it
 
 
 class Handoffs:
-    def __init__(self, name: str, engine: EngineClusterPort, send: Callable[[str, wire.Msg], None],
+    def __init__(self, name: str, kv: KVPort, requests: RequestPort, send: Callable[[str, wire.Msg], None],
                  liveness: Liveness, reads: RemoteReads, reads_expected: ReadsExpected, streams: Streams):
         self.name = name
-        self.engine = engine
+        self.kv = kv
+        self.requests = requests
         self.send = send
         self.liveness = liveness
         self.reads = reads  # the decode side reads the prompt's pages through it (and its transfer counts)
@@ -52,13 +54,13 @@ class Handoffs:
                                    backend, fresh: asyncio.Future, gate: KVGate | None) -> None:
         """``fresh``: the combine's ``MadeForRequest`` (its prompt tokens that are no cache hits)."""
         engine_id = engine_request_id(msg.request_id, msg.attempt)
-        first = await self.engine.generate_held(engine_id, segmented, replace(params, max_tokens=1), backend,
+        first = await self.requests.generate_held(engine_id, segmented, replace(params, max_tokens=1), backend,
                                                 KVPlan(hold=True, gate=gate))
         made = (await fresh).tokens(segmented, first.num_prefix_cached_tokens)
         completion = first.outputs[0]
         done_here = completion.finish_reason == "stop" or params.max_tokens == 1
         if done_here:  # finished on its first token: nothing to hand off
-            await self.engine.release_held(engine_id)
+            await self.requests.release_held(engine_id)
             self.send(msg.frontend, output_to_wire(self.name, msg.request_id, first, msg.attempt, fresh=made))
             return
         first.finished = False
@@ -66,8 +68,8 @@ class Handoffs:
         first_wire = output_to_wire(self.name, msg.request_id, first, msg.attempt, handoff_to=msg.decode_peer,
                                     fresh=made)
         self.send(msg.frontend, first_wire)  # TTFT
-        pages = await self.engine.held_pages(engine_id)
-        state = await self.engine.held_state(engine_id)
+        pages = await self.kv.held_pages(engine_id)
+        state = await self.kv.held_state(engine_id)
         continued = replace(params, prompt_logprobs=None)  # the front end has them, from the first output
         handoff_done = asyncio.get_running_loop().create_future()
         self._handoffs[engine_id] = handoff_done
@@ -82,7 +84,7 @@ class Handoffs:
         finally:
             self._handoffs.pop(engine_id, None)
             self.reads_expected.set("handoffs", bool(self._handoffs))
-            await self.engine.release_held(engine_id)
+            await self.requests.release_held(engine_id)
         if outcome != "done":
             logger.warning("decode peer %s did not take the hand-off of %s (%s)", msg.decode_peer, msg.request_id,
                            outcome)
@@ -103,14 +105,14 @@ class Handoffs:
         try:
             try:
                 state = await decode_state(msg.state)
-                pages = await self.engine.reserve_prefilled(engine_id, len(prompt))
+                pages = await self.requests.reserve_prefilled(engine_id, len(prompt))
                 await self.reads.read_pages(msg.sender, msg.pages[:len(pages)], pages, "handoff", len(prompt))
-                stream = self.engine.generate_prefilled(engine_id, prompt, msg.first_token, msg.first_logprob,
+                stream = self.requests.generate_prefilled(engine_id, prompt, msg.first_token, msg.first_logprob,
                                                         params, tuple(msg.cached), state)
             except (TransferError, ValueError, OutOfPagesError) as error:
                 self.reads.note_failure()
                 logger.warning("hand-off of %s failed (%s): its front end runs it again", msg.request_id, error)
-                await self.engine.cancel_prefilled(engine_id)
+                await self.requests.cancel_prefilled(engine_id)
                 self.send(msg.frontend, failure(self.name, msg, f"decode peer {self.name} could not read its KV: "
                                                 f"{error}", client_error=False, resumable=True))
                 return

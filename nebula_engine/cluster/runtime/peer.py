@@ -1,6 +1,7 @@
-"""One engine peer process of a cluster, and its composition root: builds the engine, its cluster port, the data
-plane (worker, NIXL agent), the router (active when elected), the election and the HTTP front end, wires them
-together and routes each incoming message to the component that handles it.
+"""One engine peer process of a cluster, and its composition root: builds the engine and its two ports (``KVPort``,
+``RequestPort``: the only way any part of the peer reaches the engine), the data plane (worker, NIXL agent), the
+router (active when elected), the election and the HTTP front end, wires them together and routes each incoming
+message to the component that handles it.
 
 Everything but the engine loop and NIXL reads runs on one asyncio loop: the ZMQ inbox, the router (only
 active on the leader), the worker's command handlers, the front end and the uvicorn server. A peer only learns
@@ -35,7 +36,8 @@ from nebula_engine.cluster.runtime.status import add_cluster_route
 from nebula_engine.cluster.runtime.transfer import KVTransferAgent, TransferError, confine_ucx_to
 from nebula_engine.cluster.runtime.transport import Messenger
 from nebula_engine.cluster.runtime.worker import WorkerService
-from nebula_engine.engine.cluster_port import EngineClusterPort
+from nebula_engine.engine.kv_port import KVPort
+from nebula_engine.engine.request_port import RequestPort
 from nebula_engine.ports import PortUnavailable, check_listen
 
 logger = logging.getLogger(__name__)
@@ -73,21 +75,21 @@ class Peer:
         from nebula_engine.engine.async_engine import AsyncLLMEngine
 
         options = {**self.engine_options, "worker_id": max(self.me.worker_index, 0)}
-        self.engine = AsyncLLMEngine.from_config(EngineConfig.create(self.model, **options))
-        self.port = EngineClusterPort(self.engine)
+        engine = AsyncLLMEngine.from_config(EngineConfig.create(self.model, **options))
+        self.kv, self.requests = KVPort(engine), RequestPort(engine)
         confine_ucx_to(self.me.host)
-        self.agent = KVTransferAgent(self.name, self.port.transfer_tensors())
+        self.agent = KVTransferAgent(self.name, self.kv.transfer_tensors())
         self.messenger = Messenger(self.name, f"tcp://{self.me.host}:{self.me.ctrl_port}",
                                    {p.name: p.ctrl_address for p in self.spec.peers if p.name != self.name},
                                    self.settings.cluster_secret)
         settings, peer_names = self.settings, [p.name for p in self.spec.peers]
         self.liveness = Liveness(self.name, peer_names, settings.peer_timeout_s)
-        self.worker = WorkerService(self.name, self.me.role, self.me.worker_index, self.port, self.agent,
-                                    self.send, lambda: self.leader_name, self._pic_key, self.liveness)
-        per_token_s = await self.port.prefill_seconds_per_token()
+        self.worker = WorkerService(self.name, self.me.role, self.me.worker_index, self.kv, self.requests,
+                                    self.agent, self.send, lambda: self.leader_name, self._pic_key, self.liveness)
+        per_token_s = await self.requests.prefill_seconds_per_token()
         logger.info("%s: prefill timed at start-up: %.4f ms a token", self.name, per_token_s * 1e3)
-        config = measured_cluster_config(self.spec, self.port.kv_geometry, per_token_s,
-                                         lead_while_waiting=self.port.combines_start_after_prefix)
+        config = measured_cluster_config(self.spec, self.kv.kv_geometry, per_token_s,
+                                         lead_while_waiting=self.kv.combines_start_after_prefix)
         self.router = RouterService(self.name, [p.name for p in self.spec.prefill_peers],
                                     [p.name for p in self.spec.decode_peers], config, self.spec.policy,
                                     self.send, self._pic_key, self.liveness,
@@ -95,13 +97,13 @@ class Peer:
         loop = asyncio.get_running_loop()
         self.election = make_election(self._election_spec(),
                                       on_change=lambda leader: loop.call_soon_threadsafe(self._refresh_leader))
-        self.frontend = ClusterFrontend(self.name, self.engine, self.send, lambda: self.leader_name,
+        self.frontend = ClusterFrontend(self.name, self.requests, self.send, lambda: self.leader_name,
                                         lambda: self.election.has_quorum,
                                         [p.name for p in self.spec.prefill_peers], self.liveness,
                                         settings.failover_timeout_s, max_losses=len(peer_names))
 
     def _pic_key(self, spec: str | None, ids: list[int]) -> str:
-        return self.port.segment_key(spec, ids)
+        return self.kv.segment_key(spec, ids)
 
     def _election_spec(self) -> ElectionSpec:
         """etcd leases when the spec names an etcd, else Raft among the peers (authenticated by the cluster
@@ -146,7 +148,7 @@ class Peer:
             case wire.SnapshotRequest():
                 spawn(self.worker.pump_events(snapshot=True))
             case wire.PCShare():
-                spawn(self.port.set_pc_share(msg.pc_share))
+                spawn(self.kv.set_pc_share(msg.pc_share))
             case wire.CacheEventMsg():
                 self.router.on_cache_events(msg)
             case wire.TaskDone():
@@ -233,7 +235,7 @@ class Peer:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             self.election.stop()
-            self.engine.shutdown()
+            self.requests.shutdown()
             self.agent.close()
             self.messenger.close()
 
@@ -279,7 +281,7 @@ class Peer:
         self.idle_timings += 1
         self._last_idle_timing = now
         try:
-            self.router.faster_prefill_timed(await self.port.prefill_seconds_per_token())
+            self.router.faster_prefill_timed(await self.requests.prefill_seconds_per_token())
         except Exception:
             logger.exception("timing the prefill failed")
 

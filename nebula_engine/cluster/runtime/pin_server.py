@@ -11,16 +11,17 @@ from nebula_engine.cluster.runtime import wire
 from nebula_engine.cluster.runtime.in_flight import InFlightKeys, ReadsExpected, lead_key
 from nebula_engine.cluster.runtime.remote_reads import PIN_TIMEOUT_S
 from nebula_engine.cluster.runtime.worker_codec import encode_state
-from nebula_engine.engine.cluster_port import EngineClusterPort, PrefixPin, SegmentPin
+from nebula_engine.engine.kv_port import KVPort
+from nebula_engine.engine.port_types import PrefixPin, SegmentPin
 
 logger = logging.getLogger(__name__)
 
 
 class PinServer:
-    def __init__(self, name: str, engine: EngineClusterPort, send: Callable[[str, wire.Msg], None],
+    def __init__(self, name: str, kv: KVPort, send: Callable[[str, wire.Msg], None],
                  in_flight: InFlightKeys, reads_expected: ReadsExpected):
         self.name = name
-        self.engine = engine
+        self.kv = kv
         self.send = send
         self.in_flight = in_flight
         self.reads_expected = reads_expected
@@ -35,10 +36,10 @@ class PinServer:
 
     async def on_pin(self, msg: wire.PinSegment) -> None:
         start = time.monotonic()
-        pin = await self.engine.pin_segment(msg.key, msg.num_tokens)
+        pin = await self.kv.pin_segment(msg.key, msg.num_tokens)
         if pin is None and msg.wait_s > 0 and msg.key in self.in_flight:  # a task here is computing it
             if await self.in_flight.wait_done(msg.key, msg.wait_s):
-                pin = await self.engine.pin_segment(msg.key, msg.num_tokens)
+                pin = await self.kv.pin_segment(msg.key, msg.num_tokens)
         if pin is None:
             self.send(msg.sender, wire.PinReply(sender=self.name, tag=msg.tag, ok=False, pages=[], state=b""))
             return
@@ -46,7 +47,7 @@ class PinServer:
             state = await encode_state(pin.state)
         except Exception:
             logger.exception("the state of %s could not be encoded: refusing the pin", msg.key)
-            await self.engine.unpin_segment(pin)
+            await self.kv.unpin_segment(pin)
             self.send(msg.sender, wire.PinReply(sender=self.name, tag=msg.tag, ok=False, pages=[], state=b""))
             return
         self._pinned.setdefault(msg.key, []).append(pin)
@@ -63,12 +64,12 @@ class PinServer:
         if not pins:
             del self._pinned[msg.key]
             self._pins_changed()
-        await self.engine.unpin_segment(pin)
+        await self.kv.unpin_segment(pin)
 
     async def on_pin_prefix(self, msg: wire.PinPrefix) -> None:
         """A ``ScatterLead`` here that is prefilling the prefix is waited for: it is pinned once it is cached."""
         await self.in_flight.wait_done(lead_key(msg.token_ids), PIN_TIMEOUT_S / 2)
-        pin = await self.engine.pin_prefix(msg.token_ids)
+        pin = await self.kv.pin_prefix(msg.token_ids)
         if pin is not None:
             self._pinned_prefixes[(msg.sender, msg.tag)] = pin
             self._pins_changed()
@@ -79,4 +80,4 @@ class PinServer:
         pin = self._pinned_prefixes.pop((msg.sender, msg.tag), None)
         if pin is not None:
             self._pins_changed()
-            await self.engine.unpin_prefix(pin)
+            await self.kv.unpin_prefix(pin)

@@ -27,9 +27,10 @@ from nebula_engine.cluster.runtime.liveness import Liveness
 from nebula_engine.cluster.runtime.remote_reads import RemoteReads
 from nebula_engine.cluster.runtime.worker_codec import (OutputStream, engine_request_id, failure, params_from_wire,
                                                         segmented_from_wire)
-from nebula_engine.engine.cluster_port import EngineClusterPort
+from nebula_engine.engine.kv_port import KVPort
 from nebula_engine.engine.kv_gate import KVGate
 from nebula_engine.engine.kv_plan import KVPlan
+from nebula_engine.engine.request_port import RequestPort
 from nebula_engine.pic.layout import CombineLayout
 from nebula_engine.pic.segments import SegmentedPrompt
 
@@ -69,11 +70,12 @@ def reused_tokens(segmented: SegmentedPrompt, prefix_len: int, indices: set[int]
 
 
 class PrefillTasks:
-    def __init__(self, name: str, engine: EngineClusterPort, send: Callable[[str, wire.Msg], None],
+    def __init__(self, name: str, kv: KVPort, requests: RequestPort, send: Callable[[str, wire.Msg], None],
                  liveness: Liveness, pic_key: Callable[[str | None, list[int]], str], in_flight: InFlightKeys,
                  streams: Streams, reads: RemoteReads, handoffs: Handoffs, reporter: CacheReporter):
         self.name = name
-        self.engine = engine
+        self.kv = kv
+        self.requests = requests
         self.send = send
         self.liveness = liveness
         self.pic_key = pic_key  # (wire spec, segment ids) -> store key, the same function the router plans with
@@ -97,7 +99,7 @@ class PrefillTasks:
     async def on_scatter(self, msg: wire.Scatter) -> None:
         self.in_flight.start([msg.key])
         try:
-            await self.engine.prefill_segment(msg.pic_backend, msg.token_ids)
+            await self.kv.prefill_segment(msg.pic_backend, msg.token_ids)
         except Exception:
             logger.exception("scatter prefill %s failed", msg.task_id)
         finally:
@@ -107,13 +109,13 @@ class PrefillTasks:
     async def on_scatter_lead(self, msg: wire.ScatterLead) -> None:
         """Prefill a prompt's lead exactly into the prefix cache (after the prefix cached here) for a combine home
         to read; a ``PinPrefix`` of it that arrives meanwhile waits for it (``PinServer.on_pin_prefix``)."""
-        ids = msg.token_ids[:len(msg.token_ids) // self.engine.page_size * self.engine.page_size]
+        ids = msg.token_ids[:len(msg.token_ids) // self.kv.page_size * self.kv.page_size]
         key = lead_key(ids)
         self.in_flight.start([key])
         start = time.monotonic()
         try:
             if ids:
-                cached = await self.engine.prefill_prefix(msg.task_id, ids)
+                cached = await self.requests.prefill_prefix(msg.task_id, ids)
                 self.lead_tokens_prefilled += len(ids) - cached
                 self.leads_for_others += 1
                 logger.debug("lead %s: %d tokens prefilled after %d cached, in %.3f s", msg.task_id, len(ids) - cached,
@@ -208,7 +210,7 @@ class PrefillTasks:
         would release only when it ends) is answered; ``local_keys``: their PIC keys (``_local_keys``)."""
         segments = [list(segmented.segment_ids(segmented.pic_segments[index])) for index in msg.compute_here]
         try:
-            made = await self.engine.prefill_missing_segments(msg.pic_backend, segments, then_open=(gate, "prefill"))
+            made = await self.kv.prefill_missing_segments(msg.pic_backend, segments, then_open=(gate, "prefill"))
         except Exception:
             logger.exception("prefilling the local segments of %s failed; the combine computes them", msg.request_id)
             return []
@@ -224,9 +226,9 @@ class PrefillTasks:
         """The full pages of the prompt's tokens before its first PIC segment (none when the combine would not
         start after a cached prefix)."""
         pic = segmented.pic_segments
-        if not pic or not self.engine.combines_start_after_prefix:
+        if not pic or not self.kv.combines_start_after_prefix:
             return []
-        return list(segmented.token_ids[:pic[0].start // self.engine.page_size * self.engine.page_size])
+        return list(segmented.token_ids[:pic[0].start // self.kv.page_size * self.kv.page_size])
 
     async def _prefill_lead(self, msg: wire.Combine, lead: list[int], gate: KVGate,
                             prefix_read: asyncio.Future | None) -> int | None:
@@ -237,10 +239,10 @@ class PrefillTasks:
         try:
             if prefix_read is not None:
                 await asyncio.wait([prefix_read])  # (its failure is the combine's reads' to report)
-            cached = await self.engine.cached_prefix_pages(lead) * self.engine.page_size
+            cached = await self.kv.cached_prefix_pages(lead) * self.kv.page_size
             if cached >= len(lead):
                 return None
-            cached = await self.engine.prefill_prefix(f"{engine_request_id(msg.request_id, msg.attempt)}/lead", lead)
+            cached = await self.requests.prefill_prefix(f"{engine_request_id(msg.request_id, msg.attempt)}/lead", lead)
             self.lead_tokens_prefilled += len(lead) - cached
             return cached
         except asyncio.CancelledError:
@@ -259,7 +261,7 @@ class PrefillTasks:
         engine_id = engine_request_id(msg.request_id, msg.attempt)
         made = None  # the prompt's counts are those of the first output: worked out once, not per token
         stream = OutputStream(self.name, msg.request_id, msg.attempt)
-        async for output in self.engine.generate(engine_id, segmented, params, backend, KVPlan(gate=gate)):
+        async for output in self.requests.generate(engine_id, segmented, params, backend, KVPlan(gate=gate)):
             if made is None:
                 made = (await fresh).tokens(segmented, output.num_prefix_cached_tokens)
                 logger.debug("combine %s: first token; %d prompt tokens, %d from the prefix cache, %d PIC reused, "

@@ -19,7 +19,7 @@ from nebula_engine.cluster.runtime import wire
 from nebula_engine.cluster.runtime.liveness import Liveness
 from nebula_engine.cluster.runtime.transfer import KVTransferAgent, TransferError
 from nebula_engine.cluster.runtime.worker_codec import decode_state
-from nebula_engine.engine.cluster_port import EngineClusterPort
+from nebula_engine.engine.kv_port import KVPort
 from nebula_engine.pic.segments import SegmentedPrompt
 
 logger = logging.getLogger(__name__)
@@ -42,10 +42,10 @@ async def reply_unless_dead(liveness: Liveness, reply: asyncio.Future, peer: str
 
 
 class RemoteReads:
-    def __init__(self, name: str, engine: EngineClusterPort, agent: KVTransferAgent,
+    def __init__(self, name: str, kv: KVPort, agent: KVTransferAgent,
                  send: Callable[[str, wire.Msg], None], liveness: Liveness):
         self.name = name
-        self.engine = engine
+        self.kv = kv
         self.agent = agent
         self.send = send
         self.liveness = liveness
@@ -89,8 +89,8 @@ class RemoteReads:
         self._pin_replies[tag] = reply_future
         self.send(source.peer, wire.PinSegment(sender=self.name, tag=tag, key=source.key, num_tokens=len(ids),
                                                wait_s=PIN_TIMEOUT_S / 2))
-        allocation = asyncio.ensure_future(self.engine.allocate_pages(  # unless it arrived here meanwhile
-            -(-len(ids) // self.engine.page_size), unless_cached=source.key))
+        allocation = asyncio.ensure_future(self.kv.allocate_pages(  # unless it arrived here meanwhile
+            -(-len(ids) // self.kv.page_size), unless_cached=source.key))
         try:
             outcome = await reply_unless_dead(self.liveness, reply_future, source.peer, PIN_TIMEOUT_S)
         except asyncio.CancelledError:
@@ -137,7 +137,7 @@ class RemoteReads:
             return False
         if not await self._read_into(source.peer, reply.pages, pages, source.key, "pic", len(ids)):
             return False
-        await self.engine.import_segment(source.key, len(ids), pages, state)
+        await self.kv.import_segment(source.key, len(ids), pages, state)
         return True
 
     # ---- a prompt's prefix ----
@@ -146,11 +146,11 @@ class RemoteReads:
         this peer's (as its own prefill would have cached them); the engine then finds them as a prefix hit. Only
         the pages past those already cached here are read; on any failure the rest is simply computed. Returns the
         tokens cached here before the read when it added any, else None."""
-        page_size = self.engine.page_size
+        page_size = self.kv.page_size
         # the last prompt token is always computed: a prefix covering the whole prompt is cut a page short
         num_pages = min(msg.prefix_tokens, len(msg.token_ids) - 1) // page_size
         wanted = list(msg.token_ids[:num_pages * page_size])
-        have = await self.engine.cached_prefix_pages(wanted)
+        have = await self.kv.cached_prefix_pages(wanted)
         if have >= num_pages:
             return None
         tag = f"{self.name}/{next(self._tags)}"
@@ -179,12 +179,12 @@ class RemoteReads:
         """Read the holder's pages past the ``have`` leading pages cached here and cache them after those."""
         if len(remote_pages) <= have:
             return False
-        pages = await self.engine.allocate_pages(len(remote_pages) - have)
-        read_tokens = (len(remote_pages) - have) * self.engine.page_size
+        pages = await self.kv.allocate_pages(len(remote_pages) - have)
+        read_tokens = (len(remote_pages) - have) * self.kv.page_size
         if pages is None or not await self._read_into(holder, remote_pages[have:], pages, "a prefix", "prefix",
                                                       read_tokens):
             return False
-        return await self.engine.import_prefix(token_ids[:len(remote_pages) * self.engine.page_size], pages, have)
+        return await self.kv.import_prefix(token_ids[:len(remote_pages) * self.kv.page_size], pages, have)
 
     # ---- pins and pages ----
     def on_pin_reply(self, msg: wire.PinReply) -> None:
@@ -219,4 +219,4 @@ class RemoteReads:
 
     async def _release(self, pages: list[int] | None) -> None:
         if pages:
-            await self.engine.release_pages(pages)
+            await self.kv.release_pages(pages)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from nebula_engine.engine.async_engine import EngineDeadError
+from nebula_engine.engine.port_types import EngineDeadError
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -21,14 +21,14 @@ def add_cluster_route(app: FastAPI, peer: Peer) -> None:
 
 async def peer_state(peer: Peer) -> dict:
     """Who leads, what this peer's engine, router, worker and front end are doing, and its PIC counters."""
-    engine, router, worker = peer.port.stats(), peer.router, peer.worker
+    load, router, worker = peer.requests.stats(), peer.router, peer.worker
     try:
-        pic = await peer.port.pic_stats()
+        pic = await peer.kv.pic_stats()
     except EngineDeadError:
         pic = {}
     return {"name": peer.name, "role": peer.me.role, "leader": peer.leader_name,
             "quorum": peer.election.has_quorum, "dropped_frames": peer.messenger.num_dropped,
-            "engine": {"running": engine.num_running, "waiting": engine.num_waiting},
+            "engine": {"running": load.num_running, "waiting": load.num_waiting},
             "router": {"active": router.active, "in_flight": len(router.in_flight), "planned": router.num_planned,
                        "lost": router.num_lost, "dead": sorted(router.dead),
                        "prefill_ms_per_token": router.config.profile.prefill.per_token_s * 1e3,

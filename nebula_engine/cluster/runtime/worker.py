@@ -11,8 +11,8 @@ part that handles it:
 
 They share what is in flight here (``in_flight``): keys being computed, requests being served, whether a peer may be
 reading our pages. Messages are built from the engine's types in ``worker_codec``. The engine is reached only
-through its ``EngineClusterPort``, whose cache operations run on the engine's own thread; the worker's own state
-lives on the event loop.
+through its two ports, ``KVPort`` (the KV cache) and ``RequestPort`` (requests), whose operations run on the
+engine's own thread or under its cache lock; the worker's own state lives on the event loop.
 """
 
 from __future__ import annotations
@@ -28,24 +28,25 @@ from nebula_engine.cluster.runtime.pin_server import PinServer
 from nebula_engine.cluster.runtime.prefill_tasks import PrefillTasks
 from nebula_engine.cluster.runtime.remote_reads import RemoteReads
 from nebula_engine.cluster.runtime.transfer import KVTransferAgent
-from nebula_engine.engine.cluster_port import EngineClusterPort
+from nebula_engine.engine.kv_port import KVPort
+from nebula_engine.engine.request_port import RequestPort
 
 
 class WorkerService:
     """``send``: the peer's one send path, to itself included (reports reach its own router while it leads);
     ``pic_key``: (wire spec, segment ids) -> store key, the same function the router plans with."""
 
-    def __init__(self, name: str, role: str, worker_index: int, engine: EngineClusterPort, agent: KVTransferAgent,
-                 send: Callable[[str, wire.Msg], None], leader: Callable[[], str | None],
+    def __init__(self, name: str, role: str, worker_index: int, kv: KVPort, requests: RequestPort,
+                 agent: KVTransferAgent, send: Callable[[str, wire.Msg], None], leader: Callable[[], str | None],
                  pic_key: Callable[[str | None, list[int]], str], liveness: Liveness):
         self.name, self.role, self.worker_index = name, role, worker_index
         in_flight, self.streams, reads_expected = InFlightKeys(), Streams(), ReadsExpected(agent)
         self.in_flight = in_flight
-        self.reporter = CacheReporter(name, role, worker_index, engine, send, leader, pic_key)
-        self.reads = RemoteReads(name, engine, agent, send, liveness)
-        self.pins = PinServer(name, engine, send, in_flight, reads_expected)
-        self.handoffs = Handoffs(name, engine, send, liveness, self.reads, reads_expected, self.streams)
-        self.prefill = PrefillTasks(name, engine, send, liveness, pic_key, in_flight, self.streams, self.reads,
+        self.reporter = CacheReporter(name, role, worker_index, kv, send, leader, pic_key)
+        self.reads = RemoteReads(name, kv, agent, send, liveness)
+        self.pins = PinServer(name, kv, send, in_flight, reads_expected)
+        self.handoffs = Handoffs(name, kv, requests, send, liveness, self.reads, reads_expected, self.streams)
+        self.prefill = PrefillTasks(name, kv, requests, send, liveness, pic_key, in_flight, self.streams, self.reads,
                                     self.handoffs, self.reporter)
 
     # ---- counters (status, metrics) ----

@@ -1,5 +1,5 @@
-"""The engine's cluster port on a running tiny engine: each cache operation a peer needs, done on the engine thread,
-and the round trips peers make with them (pin, copy the pages as NIXL would, store on the reader)."""
+"""The engine's two ports on a running tiny engine: each cache operation and request a peer needs, done on the engine
+thread, and the round trips peers make with them (pin, copy the pages as NIXL would, store on the reader)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ import torch
 
 from nebula_engine.cluster.runtime.cost_profile import measured_cluster_config
 from nebula_engine.cluster.runtime.launcher import local_spec
-from nebula_engine.engine.cluster_port import EngineClusterPort, KVGeometry
+from nebula_engine.engine.kv_port import KVPort
+from nebula_engine.engine.port_types import KVGeometry
+from nebula_engine.engine.request_port import RequestPort
 from nebula_engine.engine.sampling_params import SamplingParams
 from nebula_engine.devices import machine_cores
 from nebula_engine.kvcache.events import Tier
@@ -20,15 +22,20 @@ PAGE = 4  # the engine fixture's page size
 
 
 @pytest.fixture(scope="module")
-def port(engine) -> EngineClusterPort:
-    return EngineClusterPort(engine)
+def port(engine) -> KVPort:
+    return KVPort(engine)
+
+
+@pytest.fixture(scope="module")
+def requests(engine) -> RequestPort:
+    return RequestPort(engine)
 
 
 def run(coro):
     return asyncio.run(coro)
 
 
-def copy_pages(port: EngineClusterPort, src: list[int], dst: list[int]) -> None:
+def copy_pages(port: KVPort, src: list[int], dst: list[int]) -> None:
     """What a NIXL read does: the K/V of pages ``src`` into pages ``dst``."""
     for tensor in port.transfer_tensors():
         tensor[list(dst)] = tensor[list(src)]
@@ -203,7 +210,7 @@ def test_a_segment_promoted_from_the_host_tier_is_not_reported_as_prefilled(chec
     tiered = AsyncLLMEngine.from_config(EngineConfig.create(str(model), page_size=PAGE, num_pages=64,
                                                             host_cache_tokens=256))
     try:
-        tiered_port = EngineClusterPort(tiered)
+        tiered_port = KVPort(tiered)
         demoted, cold = segment(300), segment(400)
         run(tiered_port.prefill_segment("epic", demoted))
         assert run(tiered.call(lambda e: e.cache_store.evict_all())) >= 1  # down to the host tier
@@ -236,7 +243,7 @@ def test_a_pinned_prefix_copied_into_fresh_pages_is_a_prefix_hit_on_the_reader(p
     assert run(port.pin_prefix(segment(900))) is None
 
 
-def test_a_reader_imports_only_the_prefix_pages_past_those_it_holds(port, engine):
+def test_a_reader_imports_only_the_prefix_pages_past_those_it_holds(port, requests, engine):
     """A home holding a prompt's first pages reads the rest of a longer prefix (a lead another peer prefilled) and
     caches them after its own; if its own pages went meanwhile, the read pages are released, not cached."""
     shared, lead = segment(1500, 2 * PAGE), segment(1600, 3 * PAGE)
@@ -253,7 +260,7 @@ def test_a_reader_imports_only_the_prefix_pages_past_those_it_holds(port, engine
         imported = await port.import_prefix(reader_prompt, pages, 2)
         return imported, await port.cached_prefix_pages(reader_prompt), pool.num_free_pages - free
 
-    run(port.prefill_prefix("reader-shared", shared))
+    run(requests.prefill_prefix("reader-shared", shared))
     reader = shared + segment(1700, 3 * PAGE)  # shares two pages with the source prompt, then differs
     assert run(round_trip(reader)) == (True, 5, 0)  # the three pages now belong to the reader's prefix cache
     stranger = segment(1800, 2 * PAGE) + segment(1700, 3 * PAGE)  # its first two pages are cached nowhere
@@ -295,14 +302,14 @@ def test_segments_asked_while_the_engine_is_busy_are_prefilled_in_one_forward(po
     assert batches == [3]  # one forward for the three (the bad spec never reached the executor)
 
 
-def test_a_prefilled_lead_enters_the_prefix_cache_and_reports_what_it_held_before(port):
+def test_a_prefilled_lead_enters_the_prefix_cache_and_reports_what_it_held_before(port, requests):
     """A home prefills a waiting combine's lead exactly; the combine then finds it as a prefix hit, and counts as
     hits only the pages that were cached before."""
     lead = segment(1100, 5 * PAGE)
-    assert run(port.prefill_prefix("lead-1", lead)) == 0
+    assert run(requests.prefill_prefix("lead-1", lead)) == 0
     assert run(port.cached_prefix_pages(lead)) == 5
     longer = lead + segment(1200, 3 * PAGE)
-    assert run(port.prefill_prefix("lead-2", longer)) == 5 * PAGE
+    assert run(requests.prefill_prefix("lead-2", longer)) == 5 * PAGE
     assert run(port.cached_prefix_pages(longer)) == 8
 
 
@@ -314,12 +321,12 @@ def test_a_snapshot_lists_every_pic_entry_on_the_device(port):
     assert run(port.drain_cache_events()).events == [] and run(port.drain_cache_events()).pic_entries == []
 
 
-def test_stats_profile_and_pc_share(port, engine):
+def test_stats_profile_and_pc_share(port, requests, engine):
     run(port.prefill_segment("epic", segment(1950)))  # a miss of its own, whichever tests ran before on this engine
     stats = run(port.pic_stats())
     assert stats["segment_misses"] >= 1 and set(stats) >= {"segment_hits", "segment_skipped", "combines"}
-    assert port.stats().alive
-    assert run(port.prefill_seconds_per_token(num_tokens=16, repeats=1)) > 0
+    assert requests.stats().alive
+    assert run(requests.prefill_seconds_per_token(num_tokens=16, repeats=1)) > 0
     run(port.set_pc_share(0.25))
     assert engine.engine.cache_store.policy.pc_share == 0.25
 

@@ -1,79 +1,36 @@
-"""``EngineClusterPort``: the one door through which a cluster peer reaches its engine.
+"""``KVPort``: the engine's KV cache, as another component (a cluster peer) reaches it.
 
-A peer needs a handful of cache operations from its engine: pin and unpin what a remote reader copies, take and
-give back pages, store what it read from another peer, prefill segments for the router, name segments, report
-what the cache holds. Each is async and never races the engine loop: one that touches only the KV cache
-(pages, pins, storing what was read, prefix queries) runs under the engine's cache lock
-(``AsyncLLMEngine.call_cache``), so it gets in while a step's forward computes; the others (prefilling, cache
-events, hand-offs) run on the engine's own thread between two steps (``AsyncLLMEngine.call``). A pin served
-mid-step is what lets a remote read cost less than recomputing a short segment.
+Pin and unpin what a remote reader copies, read what a held request or a pin holds, take and give back pages, store
+what was read from another engine (segments, prefixes), prefill PIC segments into the store, ask what the prefix
+cache holds, and drain what the cache reports. Each operation is async and never races the engine loop: one that
+touches only the KV cache (pages, pins, storing what was read, prefix queries) runs under the engine's cache lock
+(``AsyncLLMEngine.call_cache``), so it gets in while a step's forward computes; the others (prefilling segments,
+cache events, a held request's pages) run on the engine's own thread between two steps (``AsyncLLMEngine.call``).
+A pin served mid-step is what lets a remote read cost less than recomputing a short segment.
 
 Only constants set in ``LLMEngine.__init__`` are read directly, from any thread: the page geometry, the KV
 tensors NIXL registers, and segment keys (a pure function of the model, the backend and the token ids).
-Requests themselves are streamed through the async engine unchanged.
-
-Pins come back as handles (``SegmentPin``, ``PrefixPin``): the pinned pages stay put until the handle is given
-to ``unpin_segment`` / ``unpin_prefix``; the caller keeps track of which reader holds which handle.
+Requests themselves go through ``request_port.RequestPort``; the data both ports hand out is in ``port_types``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-import time
-from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Mapping
+from typing import Any, Mapping
 
 import torch
 
-from nebula_engine.engine.async_engine import AsyncLLMEngine, EnginePrompt, EngineStats
+from nebula_engine.engine.async_engine import AsyncLLMEngine
 from nebula_engine.engine.kv_gate import KVGate
-from nebula_engine.engine.kv_plan import ORDINARY, KVPlan
 from nebula_engine.engine.llm_engine import LLMEngine
-from nebula_engine.engine.outputs import RequestOutput
-from nebula_engine.engine.sampling_params import SamplingParams
-from nebula_engine.kernels.attention import AttentionContext
+from nebula_engine.engine.port_types import CacheDrain, KVGeometry, PrefixPin, SegmentPin
 from nebula_engine.kvcache.events import CacheKind, Tier
 from nebula_engine.kvcache.pool import OutOfPagesError
 
 
-@dataclass(frozen=True)
-class KVGeometry:
-    """How this engine's KV pool is laid out: what a peer's cost model needs."""
-
-    page_size: int  # tokens per page
-    num_pages: int
-    bytes_per_token: int  # K and V of every attention layer
-
-
-@dataclass(frozen=True)
-class SegmentPin:
-    """A PIC store entry locked for a remote reader: ``pages`` hold its K/V, ``state`` what it carries beyond
-    them (linear-attention state; empty for pure attention models)."""
-
-    pages: tuple[int, ...]
-    state: Mapping[str, Any]
-    entry: Any = field(repr=False)  # the locked store entry: only the port looks inside
-
-
-@dataclass(frozen=True)
-class PrefixPin:
-    """Cached prefix pages locked for a remote reader."""
-
-    pages: tuple[int, ...]
-    node: Any = field(repr=False)  # the locked radix node: only the port looks inside
-
-
-@dataclass(frozen=True)
-class CacheDrain:
-    """What the cache reported since the last drain; with a snapshot, also every PIC entry it holds now."""
-
-    events: list  # kvcache.events, oldest first
-    pic_entries: list[tuple[str, int, Tier]] = field(default_factory=list)  # (key, tokens, tier), device first
-
-
-class EngineClusterPort:
-    """The cache operations of one engine a cluster peer uses; see the module docstring for the thread rule.
+class KVPort:
+    """The KV cache operations of one engine; see the module docstring for the thread rule.
 
     ``backend_spec`` arguments are what ``LLMEngine.resolve_request_backend`` takes for a request."""
 
@@ -101,9 +58,6 @@ class EngineClusterPort:
         """``LLMEngine.segment_key``: the PIC store key the router and workers name a segment by."""
         return self._engine.segment_key(backend_spec, token_ids)
 
-    def stats(self) -> EngineStats:
-        return self._async.stats()
-
     async def _call(self, fn):
         """``fn(engine)`` on the engine thread, between two steps."""
         return await self._async.call(fn)
@@ -112,45 +66,15 @@ class EngineClusterPort:
         """``fn(engine)``, touching only the cache store, under the cache lock: it need not wait for a step to end."""
         return await self._async.call_cache(fn)
 
-    # ---- requests (streamed by the async engine) ----
-    def generate(self, request_id: str, prompt: EnginePrompt, params: SamplingParams,
-                 backend_spec, kv_plan: KVPlan = ORDINARY) -> AsyncIterator[RequestOutput]:
-        """``kv_plan`` (``engine.kv_plan``): e.g. a gate, queued now and scheduled once the KV it waits for has
-        arrived."""
-        return self._async.generate(request_id, prompt, params, backend_spec, kv_plan=kv_plan)
-
-    async def generate_held(self, request_id: str, prompt: EnginePrompt, params: SamplingParams,
-                            backend_spec, kv_plan: KVPlan = KVPlan(hold=True)) -> RequestOutput:
-        return await self._async.generate_held(request_id, prompt, params, backend_spec, kv_plan)
-
-    def generate_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token: int,
-                           first_logprob: float, params: SamplingParams, cached: tuple[int, ...],
-                           linear_state: Mapping[str, list[torch.Tensor]] | None = None
-                           ) -> AsyncIterator[RequestOutput]:
-        """``linear_state``: the prefill peer's ``held_state`` (hybrid models; loaded into the reserved slot)."""
-        return self._async.generate_prefilled(request_id, prompt_token_ids, first_token, first_logprob, params,
-                                              cached, linear_state)
-
-    # ---- prefill -> decode hand-off ----
+    # ---- a held request's KV (prefill -> decode hand-off) ----
     async def held_pages(self, request_id: str) -> list[int]:
-        """Pages of a finished held request (``generate_held``): its prompt K/V for the decode peer."""
+        """Pages of a finished held request (``RequestPort.generate_held``): its prompt K/V for the decode peer."""
         return await self._call(lambda e: e.held_block_table(request_id))
 
     async def held_state(self, request_id: str) -> dict[str, list[torch.Tensor]]:
         """The linear-attention state after a held request's prompt (``LLMEngine.held_linear_state``, on the CPU):
         what the decode peer continues from; empty for models without linear-attention layers."""
         return await self._call(lambda e: e.held_linear_state(request_id))
-
-    async def release_held(self, request_id: str) -> None:
-        await self._call(lambda e: e.release_held(request_id))
-
-    async def reserve_prefilled(self, request_id: str, num_tokens: int) -> list[int]:
-        """Pages (and a state slot, for hybrid models) for a request prefilled on another peer
-        (``LLMEngine.reserve_prefilled``)."""
-        return await self._call(lambda e: e.reserve_prefilled(request_id, num_tokens))
-
-    async def cancel_prefilled(self, request_id: str) -> None:
-        await self._call(lambda e: e.cancel_prefilled(request_id))
 
     # ---- pages ----
     async def allocate_pages(self, num_pages: int, unless_cached: str | None = None) -> list[int] | None:
@@ -267,12 +191,6 @@ class EngineClusterPort:
         return await self._call(prefill)
 
     # ---- cached prefixes ----
-    async def prefill_prefix(self, request_id: str, token_ids: list[int]) -> int:
-        """Prefill ``token_ids`` exactly (PIC off, no logits: ``AsyncLLMEngine.prefill``) so that their full pages
-        enter the prefix cache; the tokens of them the prefix cache held before (what a later request counts as
-        hits)."""
-        return (await self._async.prefill(request_id, list(token_ids))).num_prefix_cached_tokens
-
     async def cached_prefix_pages(self, token_ids: list[int]) -> int:
         """How many leading pages of ``token_ids`` the prefix cache holds."""
         return await self._call_cache(lambda e: len(e.cache_store.radix.match_prefix(token_ids).pages))
@@ -351,21 +269,3 @@ class EngineClusterPort:
         """The PIC executor's counters (hits, misses, ...); empty without PIC."""
         return await self._call(lambda e: dict(vars(e.model_runner.pic_executor.stats))
                                 if e.model_runner.pic_executor else {})
-
-    # ---- profiling ----
-    async def prefill_seconds_per_token(self, num_tokens: int = 256, repeats: int = 3) -> float:
-        """Seconds per prefilled token of this model here, best of ``repeats`` forwards of ``num_tokens`` random
-        tokens: the unit of a planner's prefill cost."""
-        def measure(engine: LLMEngine) -> float:
-            model = engine.model_runner.model
-            device = next(model.parameters()).device
-            ids = torch.randint(100, 1000, (num_tokens,), device=device)
-            best = float("inf")
-            with torch.inference_mode():
-                for _ in range(repeats):
-                    start = time.perf_counter()
-                    model.forward(ids, torch.arange(num_tokens, device=device), AttentionContext.dense([num_tokens]))
-                    best = min(best, time.perf_counter() - start)
-            return best / num_tokens
-
-        return await self._call(measure)
