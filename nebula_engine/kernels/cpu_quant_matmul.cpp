@@ -419,6 +419,25 @@ inline void fifth_bits_512(uint32_t bits, __m512i* q) {
   q[1] = _mm512_mask_or_epi32(q[1], static_cast<__mmask16>(bits >> 16), q[1], sixteen);
 }
 
+// Sub-block s of the K-quant block at b: its 32 quants as floats (Q5_K's fifth bit included), before scale and min.
+// Q4_K's nibbles are looked up (nibble_floats_512); Q5_K's 5-bit values are masked and converted.
+template <int64_t QT>
+inline void kquant_floats_512(const uint8_t* b, int64_t s, __m512* q) {
+  const uint8_t* qs = b + (QT == kQ4_K ? 16 : 48) + (s >> 1) * 32;
+  const __m128i shift = _mm_cvtsi32_si128(static_cast<int>((s & 1) * 4));
+  if constexpr (QT == kQ4_K) {
+    for (int v = 0; v < 2; ++v) q[v] = nibble_floats_512<false>(_mm512_srl_epi32(widen_u8(qs + 16 * v), shift));
+  } else {
+    __m512i qi[2];
+    for (int v = 0; v < 2; ++v)
+      qi[v] = _mm512_and_si512(_mm512_srl_epi32(widen_u8(qs + 16 * v), shift), _mm512_set1_epi32(15));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+    fifth_bits_512(static_cast<uint32_t>(_mm256_test_epi8_mask(qh, _mm256_set1_epi8(static_cast<char>(1 << s)))),
+                   qi);
+    for (int v = 0; v < 2; ++v) q[v] = ints_to_floats(qi[v]);
+  }
+}
+
 inline void scale_512(__m512* w, float d) {
   const __m512 dv = _mm512_set1_ps(d);
   w[0] = _mm512_mul_ps(dv, w[0]);
@@ -479,17 +498,7 @@ inline void dequant_chunk_512(const uint8_t* row, int64_t c, __m512* w) {
     const uint8_t* b = row + (c >> 3) * (QT == kQ4_K ? 144 : 176);
     int sc, mn;
     kquant_scale_min(b + 4, s, sc, mn);
-    const uint8_t* qs = b + (QT == kQ4_K ? 16 : 48) + (s >> 1) * 32;
-    const __m128i shift = _mm_cvtsi32_si128(static_cast<int>((s & 1) * 4));
-    __m512i q[2];
-    for (int v = 0; v < 2; ++v)
-      q[v] = _mm512_and_si512(_mm512_srl_epi32(widen_u8(qs + 16 * v), shift), _mm512_set1_epi32(15));
-    if constexpr (QT == kQ5_K) {
-      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
-      fifth_bits_512(static_cast<uint32_t>(_mm256_test_epi8_mask(qh, _mm256_set1_epi8(static_cast<char>(1 << s)))),
-                     q);
-    }
-    for (int v = 0; v < 2; ++v) w[v] = ints_to_floats(q[v]);
+    kquant_floats_512<QT>(b, s, w);
     scale_and_shift_512(w, half_f16c(b) * static_cast<float>(sc), -(half_f16c(b + 2) * static_cast<float>(mn)));
   } else if constexpr (QT == kQ6_K) {
     // bytes first, 32 at a time as the AVX2 path does, then widened
@@ -550,17 +559,15 @@ constexpr bool kHasMin = QT == kQ4_1 || QT == kQ5_1 || QT == kQ4_K || QT == kQ5_
 
 template <int64_t QT>
 inline void quants_512(const uint8_t* row, int64_t c, __m512* q, __m128& dm) {
-  if constexpr (QT == kQ4_0 || QT == kQ4_1 || QT == kQ5_0 || QT == kQ5_1) {
-    constexpr int64_t kBytes = QT == kQ4_0 ? 18 : QT == kQ4_1 ? 20 : QT == kQ5_0 ? 22 : 24;
-    constexpr bool kMin = QT == kQ4_1 || QT == kQ5_1;
-    const uint8_t* b = row + c * kBytes;
-    if constexpr (QT == kQ4_0 || QT == kQ4_1) {  // each nibble looked up as its float: no mask, no conversion
-      const __m512i bytes = widen_u8(b + (QT == kQ4_0 ? 2 : 4));
-      q[0] = nibble_floats_512<QT == kQ4_0>(bytes);
-      q[1] = nibble_floats_512<QT == kQ4_0>(_mm512_srli_epi32(bytes, 4));
-      dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(load_u32(b))));
-      return;
-    }
+  if constexpr (QT == kQ4_0 || QT == kQ4_1) {  // each nibble looked up as its float: no mask, no conversion
+    const uint8_t* b = row + c * (QT == kQ4_0 ? 18 : 20);
+    const __m512i bytes = widen_u8(b + (QT == kQ4_0 ? 2 : 4));
+    q[0] = nibble_floats_512<QT == kQ4_0>(bytes);
+    q[1] = nibble_floats_512<QT == kQ4_0>(_mm512_srli_epi32(bytes, 4));
+    // d and m are the block's first two halves: one 32-bit load, one conversion (a lone d's second half ignored)
+    dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(load_u32(b))));
+  } else if constexpr (QT == kQ5_0 || QT == kQ5_1) {
+    const uint8_t* b = row + c * (QT == kQ5_0 ? 22 : 24);
     __m512i qi[2];
     nibbles_512(b + (QT == kQ5_0 ? 6 : 8), qi);
     if constexpr (QT == kQ5_0) {  // nibble | bit << 4, less 16: the nibble, less 16 where the bit is clear
@@ -568,13 +575,10 @@ inline void quants_512(const uint8_t* row, int64_t c, __m512* q, __m128& dm) {
       const __m512i sixteen = _mm512_set1_epi32(16);
       qi[0] = _mm512_mask_sub_epi32(qi[0], static_cast<__mmask16>(clear & 0xffffu), qi[0], sixteen);
       qi[1] = _mm512_mask_sub_epi32(qi[1], static_cast<__mmask16>(clear >> 16), qi[1], sixteen);
-    } else if constexpr (QT == kQ5_1) {
+    } else {
       fifth_bits_512(load_u32(b + 4), qi);
-    } else if constexpr (QT == kQ4_0) {
-      for (int v = 0; v < 2; ++v) qi[v] = _mm512_sub_epi32(qi[v], _mm512_set1_epi32(8));
     }
     for (int v = 0; v < 2; ++v) q[v] = ints_to_floats(qi[v]);
-    // d and m are the block's first two halves: one 32-bit load, one conversion (a lone d's second half ignored)
     dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(load_u32(b))));
   } else if constexpr (QT == kQ8_0) {
     const uint8_t* b = row + c * 34;
@@ -585,19 +589,7 @@ inline void quants_512(const uint8_t* row, int64_t c, __m512* q, __m128& dm) {
     const uint8_t* b = row + (c >> 3) * (QT == kQ4_K ? 144 : 176);
     int sc, mn;
     kquant_scale_min(b + 4, s, sc, mn);
-    const uint8_t* qs = b + (QT == kQ4_K ? 16 : 48) + (s >> 1) * 32;
-    const __m128i shift = _mm_cvtsi32_si128(static_cast<int>((s & 1) * 4));
-    if constexpr (QT == kQ4_K) {
-      for (int v = 0; v < 2; ++v) q[v] = nibble_floats_512<false>(_mm512_srl_epi32(widen_u8(qs + 16 * v), shift));
-    } else {
-      __m512i qi[2];
-      for (int v = 0; v < 2; ++v)
-        qi[v] = _mm512_and_si512(_mm512_srl_epi32(widen_u8(qs + 16 * v), shift), _mm512_set1_epi32(15));
-      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
-      fifth_bits_512(static_cast<uint32_t>(_mm256_test_epi8_mask(qh, _mm256_set1_epi8(static_cast<char>(1 << s)))),
-                     qi);
-      for (int v = 0; v < 2; ++v) q[v] = ints_to_floats(qi[v]);
-    }
+    kquant_floats_512<QT>(b, s, q);
     dm = _mm_set_ps(0.f, 0.f, -(half_f16c(b + 2) * static_cast<float>(mn)), half_f16c(b) * static_cast<float>(sc));
   }
 }
