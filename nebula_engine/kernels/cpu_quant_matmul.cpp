@@ -468,8 +468,70 @@ inline void q6k_floats_512(const uint8_t* b, int64_t s, __m512* q) {
                              q);
 }
 
+// Q4_K / Q5_K: the 8 6-bit scales and the 8 mins held in a block's 12 scale bytes, byte s of each for sub-block s
+inline void kquant_scales_mins(const uint8_t* packed, uint64_t& scales, uint64_t& mins) {
+  const uint32_t low = load_u32(packed), middle = load_u32(packed + 4), high = load_u32(packed + 8);
+  // sub-blocks 0-3 are the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); sub-blocks 4-7 are a nibble of bytes
+  // 8-11 with, as bits 4-5, the top two bits of bytes 0-3 (scales) or 4-7 (mins): kquant_scale_min, 4 lanes at once
+  const uint32_t upper_scales = (high & 0x0f0f0f0fu) | ((low >> 2) & 0x30303030u);
+  const uint32_t upper_mins = ((high >> 4) & 0x0f0f0f0fu) | ((middle >> 2) & 0x30303030u);
+  scales = (low & 0x3f3f3f3fu) | (static_cast<uint64_t>(upper_scales) << 32);
+  mins = (middle & 0x3f3f3f3fu) | (static_cast<uint64_t>(upper_mins) << 32);
+}
+
+inline __m256 bytes8_to_floats(uint64_t bytes) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(bytes))));
+}
+
+// Half h of a Q6_K block (sub-blocks 4h..4h+3) as 128 signed bytes, less 32, sub-block by sub-block. Its 64 low-bit
+// bytes hold sub-blocks 4h and 4h+1 in their low nibbles, 4h+2 and 4h+3 in their high ones; its 32 high-bit bytes
+// hold bits 4-5 of all four, two bits each. Done 64 bytes at a time: 11 byte ops for four sub-blocks, where
+// q6k_floats_512 takes 7 of 32 bytes for each.
+inline void q6k_half_bytes_512(const uint8_t* b, int64_t h, int8_t* out) {
+  const __m512i low = _mm512_loadu_si512(b + h * 64);
+  const __m512i high = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + h * 32)));
+  const __m512i nibble = _mm512_set1_epi8(15), bits45 = _mm512_set1_epi8(0x30), offset = _mm512_set1_epi8(32);
+  // bits 0-1 (first 32 bytes) and 2-3 (last 32) of each high byte to bits 4-5; then bits 4-5 and 6-7 there
+  const __m512i first_shift = _mm512_setr_epi64(4, 4, 4, 4, 2, 2, 2, 2);
+  const __m512i second_shift = _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2);
+  const __m512i first = _mm512_or_si512(_mm512_and_si512(low, nibble),
+                                        _mm512_and_si512(_mm512_sllv_epi64(high, first_shift), bits45));
+  const __m512i second = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low, 4), nibble),
+                                         _mm512_and_si512(_mm512_srlv_epi64(high, second_shift), bits45));
+  _mm512_store_si512(out, _mm512_sub_epi8(first, offset));
+  _mm512_store_si512(out + 64, _mm512_sub_epi8(second, offset));
+}
+
 template <int64_t QT>
-inline void dequant_chunk_512(const uint8_t* row, int64_t c, __m512* w) {
+constexpr bool kKQuant = QT == kQ4_K || QT == kQ5_K || QT == kQ6_K;
+
+template <int64_t QT>
+constexpr int64_t kKQuantBlockBytes = QT == kQ4_K ? 144 : QT == kQ5_K ? 176 : 210;
+
+// A K-quant block's sub-block scales as floats (d * scale: 8 for Q4_K / Q5_K, 16 for Q6_K) and, for Q4_K / Q5_K,
+// its mins (dmin * min, to subtract), unpacked once for the block's 8 chunks
+struct KQuantScales {
+  alignas(64) float scale[16];
+  alignas(32) float min[8];
+};
+
+template <int64_t QT>
+inline void load_kquant_scales(const uint8_t* b, KQuantScales& out) {
+  if constexpr (QT == kQ6_K) {
+    const __m512i raw = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
+    _mm512_store_ps(out.scale, _mm512_mul_ps(_mm512_set1_ps(half_f16c(b + 208)), _mm512_cvtepi32_ps(raw)));
+  } else {
+    uint64_t packed_scales, packed_mins;
+    kquant_scales_mins(b + 4, packed_scales, packed_mins);
+    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(load_u32(b))));  // d, dmin
+    _mm256_store_ps(out.scale, _mm256_mul_ps(_mm256_broadcastss_ps(dm), bytes8_to_floats(packed_scales)));
+    _mm256_store_ps(out.min, _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dm)), bytes8_to_floats(packed_mins)));
+  }
+}
+
+// `block`: for a K-quant, the scales of chunk c's block (load_kquant_scales); other types ignore it
+template <int64_t QT>
+inline void dequant_chunk_512(const uint8_t* row, int64_t c, __m512* w, const KQuantScales& block) {
   if constexpr (QT == kF32) {
     const float* p = reinterpret_cast<const float*>(row) + c * kChunk;
     w[0] = _mm512_loadu_ps(p);
@@ -508,19 +570,13 @@ inline void dequant_chunk_512(const uint8_t* row, int64_t c, __m512* w) {
     scale_512(w, half_f16c(b));
   } else if constexpr (QT == kQ4_K || QT == kQ5_K) {
     const int64_t s = c & 7;
-    const uint8_t* b = row + (c >> 3) * (QT == kQ4_K ? 144 : 176);
-    int sc, mn;
-    kquant_scale_min(b + 4, s, sc, mn);
-    kquant_floats_512<QT>(b, s, w);
-    scale_and_shift_512(w, half_f16c(b) * static_cast<float>(sc), -(half_f16c(b + 2) * static_cast<float>(mn)));
+    kquant_floats_512<QT>(row + (c >> 3) * (QT == kQ4_K ? 144 : 176), s, w);
+    scale_and_shift_512(w, block.scale[s], -block.min[s]);
   } else if constexpr (QT == kQ6_K) {
     const int64_t s = c & 7;
-    const uint8_t* b = row + (c >> 3) * 210;
-    q6k_floats_512(b, s, w);
-    const float d = half_f16c(b + 208);
-    const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
-    w[0] = _mm512_mul_ps(_mm512_set1_ps(d * static_cast<float>(scales[2 * s])), w[0]);
-    w[1] = _mm512_mul_ps(_mm512_set1_ps(d * static_cast<float>(scales[2 * s + 1])), w[1]);
+    q6k_floats_512(row + (c >> 3) * 210, s, w);
+    w[0] = _mm512_mul_ps(_mm512_set1_ps(block.scale[2 * s]), w[0]);
+    w[1] = _mm512_mul_ps(_mm512_set1_ps(block.scale[2 * s + 1]), w[1]);
   }
 }
 
@@ -530,13 +586,16 @@ template <int64_t QT, int MT>
 inline void row_times_tile_512(const uint8_t* row, int64_t chunks, const float* x, int64_t ldx, float* sums,
                                int64_t ahead, int64_t stride) {
   constexpr int kAcc = 2;
+  KQuantScales block;
   __m512 acc[MT][kAcc];
   for (int m = 0; m < MT; ++m)
     for (int a = 0; a < kAcc; ++a) acc[m][a] = _mm512_setzero_ps();
   for (int64_t c = 0; c < chunks; ++c) {
     if (ahead > 0) _mm_prefetch(reinterpret_cast<const char*>(row + c * stride + ahead), _MM_HINT_T0);
+    if constexpr (kKQuant<QT>)
+      if ((c & 7) == 0) load_kquant_scales<QT>(row + (c >> 3) * kKQuantBlockBytes<QT>, block);
     __m512 w[2];
-    dequant_chunk_512<QT>(row, c, w);
+    dequant_chunk_512<QT>(row, c, w, block);
     for (int m = 0; m < MT; ++m) {
       const float* xm = x + m * ldx + c * kChunk;
       for (int v = 0; v < 2; ++v) acc[m][v] = _mm512_fmadd_ps(w[v], _mm512_loadu_ps(xm + 16 * v), acc[m][v]);
@@ -617,45 +676,10 @@ inline float row_dot_factored_512(const uint8_t* row, int64_t chunks, const floa
   return _mm512_reduce_add_ps(_mm512_add_ps(even, odd)) + _mm_cvtss_f32(_mm_add_ss(even_mins, odd_mins));
 }
 
+
 // The K-quants factor by sub-block the same way, a block at a time: its 8 (Q4_K, Q5_K) or 16 (Q6_K) sub-block
 // scales, and the mins, are unpacked once as one vector, where a chunk at a time unpacked each chunk's own in scalar
 // code (one row of Q4_K at 8.3 GB/s against Q5_0's 12.8, Qwen2.5-0.5B shapes, 2 threads, weights cold).
-template <int64_t QT>
-constexpr bool kKQuant = QT == kQ4_K || QT == kQ5_K || QT == kQ6_K;
-
-// Q4_K / Q5_K: the 8 6-bit scales and the 8 mins held in a block's 12 scale bytes, byte s of each for sub-block s
-inline void kquant_scales_mins(const uint8_t* packed, uint64_t& scales, uint64_t& mins) {
-  const uint32_t low = load_u32(packed), middle = load_u32(packed + 4), high = load_u32(packed + 8);
-  // sub-blocks 0-3 are the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); sub-blocks 4-7 are a nibble of bytes
-  // 8-11 with, as bits 4-5, the top two bits of bytes 0-3 (scales) or 4-7 (mins): kquant_scale_min, 4 lanes at once
-  const uint32_t upper_scales = (high & 0x0f0f0f0fu) | ((low >> 2) & 0x30303030u);
-  const uint32_t upper_mins = ((high >> 4) & 0x0f0f0f0fu) | ((middle >> 2) & 0x30303030u);
-  scales = (low & 0x3f3f3f3fu) | (static_cast<uint64_t>(upper_scales) << 32);
-  mins = (middle & 0x3f3f3f3fu) | (static_cast<uint64_t>(upper_mins) << 32);
-}
-
-inline __m256 bytes8_to_floats(uint64_t bytes) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(bytes))));
-}
-
-// Half h of a Q6_K block (sub-blocks 4h..4h+3) as 128 signed bytes, less 32, sub-block by sub-block. Its 64 low-bit
-// bytes hold sub-blocks 4h and 4h+1 in their low nibbles, 4h+2 and 4h+3 in their high ones; its 32 high-bit bytes
-// hold bits 4-5 of all four, two bits each. Done 64 bytes at a time: 11 byte ops for four sub-blocks, where
-// q6k_floats_512 takes 7 of 32 bytes for each.
-inline void q6k_half_bytes_512(const uint8_t* b, int64_t h, int8_t* out) {
-  const __m512i low = _mm512_loadu_si512(b + h * 64);
-  const __m512i high = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + h * 32)));
-  const __m512i nibble = _mm512_set1_epi8(15), bits45 = _mm512_set1_epi8(0x30), offset = _mm512_set1_epi8(32);
-  // bits 0-1 (first 32 bytes) and 2-3 (last 32) of each high byte to bits 4-5; then bits 4-5 and 6-7 there
-  const __m512i first_shift = _mm512_setr_epi64(4, 4, 4, 4, 2, 2, 2, 2);
-  const __m512i second_shift = _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2);
-  const __m512i first = _mm512_or_si512(_mm512_and_si512(low, nibble),
-                                        _mm512_and_si512(_mm512_sllv_epi64(high, first_shift), bits45));
-  const __m512i second = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low, 4), nibble),
-                                         _mm512_and_si512(_mm512_srlv_epi64(high, second_shift), bits45));
-  _mm512_store_si512(out, _mm512_sub_epi8(first, offset));
-  _mm512_store_si512(out + 64, _mm512_sub_epi8(second, offset));
-}
 
 // The block-at-a-time dot prefetches each block's lines once, further ahead: Q6_K one row, Qwen2.5-0.5B down shape,
 // 2 threads, weights cold: 13.3-14.0 GB/s at 4 KiB, 16.0-16.8 at 8 KiB, 15.8 at 16 KiB (Q4_K too noisy to tell).
@@ -665,8 +689,8 @@ constexpr int64_t kKQuantPrefetchBytes = 8192;
 template <int64_t QT>
 inline float kquant_row_dot_512(const uint8_t* row, int64_t blocks, const float* x, const float* x_sums,
                                 int64_t ahead) {
-  constexpr int64_t kBlockBytes = QT == kQ4_K ? 144 : QT == kQ5_K ? 176 : 210;
-  alignas(64) float scales[16];
+  constexpr int64_t kBlockBytes = kKQuantBlockBytes<QT>;
+  KQuantScales scales;
   // four chains, so a sub-block's FMAs do not wait on the one before
   __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
   __m256 mins = _mm256_setzero_ps();
@@ -676,9 +700,8 @@ inline float kquant_row_dot_512(const uint8_t* row, int64_t blocks, const float*
     if (ahead > 0)
       for (int64_t offset = 0; offset < kBlockBytes + 64; offset += 64)
         _mm_prefetch(reinterpret_cast<const char*>(b + ahead + std::min(offset, kBlockBytes - 1)), _MM_HINT_T0);
+    load_kquant_scales<QT>(b, scales);
     if constexpr (QT == kQ6_K) {
-      const __m512i raw = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
-      _mm512_store_ps(scales, _mm512_mul_ps(_mm512_set1_ps(half_f16c(b + 208)), _mm512_cvtepi32_ps(raw)));
       for (int64_t h = 0; h < 2; ++h) {
         alignas(64) int8_t quants[128];
         q6k_half_bytes_512(b, h, quants);
@@ -691,20 +714,14 @@ inline float kquant_row_dot_512(const uint8_t* row, int64_t blocks, const float*
           const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(qc + 1)));
           __m512& first = acc[(j & 1) * 2];
           __m512& second = acc[(j & 1) * 2 + 1];
-          first = _mm512_fmadd_ps(_mm512_set1_ps(scales[2 * s]), _mm512_mul_ps(q0, _mm512_loadu_ps(xc)), first);
-          second = _mm512_fmadd_ps(_mm512_set1_ps(scales[2 * s + 1]), _mm512_mul_ps(q1, _mm512_loadu_ps(xc + 16)),
+          first = _mm512_fmadd_ps(_mm512_set1_ps(scales.scale[2 * s]), _mm512_mul_ps(q0, _mm512_loadu_ps(xc)), first);
+          second = _mm512_fmadd_ps(_mm512_set1_ps(scales.scale[2 * s + 1]), _mm512_mul_ps(q1, _mm512_loadu_ps(xc + 16)),
                                    second);
         }
       }
     } else {
-      uint64_t packed_scales, packed_mins;
-      kquant_scales_mins(b + 4, packed_scales, packed_mins);
-      const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(load_u32(b))));  // d, dmin
-      const __m256 d = _mm256_broadcastss_ps(dm), dmin = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
-      _mm256_store_ps(scales, _mm256_mul_ps(d, bytes8_to_floats(packed_scales)));
       // w = (d scale) q - (dmin min): the mins times each chunk's sum of x, 8 chunks in one FMA
-      mins = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, bytes8_to_floats(packed_mins)), _mm256_loadu_ps(x_sums + i * 8),
-                              mins);
+      mins = _mm256_fnmadd_ps(_mm256_load_ps(scales.min), _mm256_loadu_ps(x_sums + i * 8), mins);
       // unrolled, so the accumulators' indices are constants and they stay in registers
 #pragma GCC unroll 8
       for (int64_t s = 0; s < 8; ++s) {
@@ -712,7 +729,7 @@ inline float kquant_row_dot_512(const uint8_t* row, int64_t blocks, const float*
         kquant_floats_512<QT>(b, s, q);
         const float* xc = xb + s * kChunk;
         const __m512 dot = _mm512_fmadd_ps(q[1], _mm512_loadu_ps(xc + 16), _mm512_mul_ps(q[0], _mm512_loadu_ps(xc)));
-        acc[s & 3] = _mm512_fmadd_ps(_mm512_set1_ps(scales[s]), dot, acc[s & 3]);
+        acc[s & 3] = _mm512_fmadd_ps(_mm512_set1_ps(scales.scale[s]), dot, acc[s & 3]);
       }
     }
   }
@@ -765,9 +782,13 @@ void dequant_rows_512(const uint8_t* data, int64_t row_bytes, int64_t chunks, fl
                       int64_t end) {
   for (int64_t n = begin; n < end; ++n) {
     float* dest = out + (n - begin) * chunks * kChunk;
+    const uint8_t* row = data + n * row_bytes;
+    KQuantScales block;
     for (int64_t c = 0; c < chunks; ++c) {
+      if constexpr (kKQuant<QT>)
+        if ((c & 7) == 0) load_kquant_scales<QT>(row + (c >> 3) * kKQuantBlockBytes<QT>, block);
       __m512 w[2];
-      dequant_chunk_512<QT>(data + n * row_bytes, c, w);
+      dequant_chunk_512<QT>(row, c, w, block);
       _mm512_storeu_ps(dest + c * kChunk, w[0]);
       _mm512_storeu_ps(dest + c * kChunk + 16, w[1]);
     }
