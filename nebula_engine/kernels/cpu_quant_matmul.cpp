@@ -580,12 +580,13 @@ inline void dequant_chunk_512(const uint8_t* row, int64_t c, __m512* w, const KQ
   }
 }
 
-// As row_times_tile: one W row against MT rows of x, each row with an accumulator per half of a chunk (indices
-// known at compile time, so they stay in registers).
+// As row_times_tile: one W row against MT rows of x (indices known at compile time, so the accumulators stay in
+// registers). Up to 8 rows, each has an accumulator per half of a chunk; 16 rows have one each, 16 of the 32
+// registers, the 32 FMAs of a chunk enough to hide one chain's latency, and each chunk is unpacked half as often.
 template <int64_t QT, int MT>
 inline void row_times_tile_512(const uint8_t* row, int64_t chunks, const float* x, int64_t ldx, float* sums,
                                int64_t ahead, int64_t stride) {
-  constexpr int kAcc = 2;
+  constexpr int kAcc = MT >= 16 ? 1 : 2;
   KQuantScales block;
   __m512 acc[MT][kAcc];
   for (int m = 0; m < MT; ++m)
@@ -598,7 +599,8 @@ inline void row_times_tile_512(const uint8_t* row, int64_t chunks, const float* 
     dequant_chunk_512<QT>(row, c, w, block);
     for (int m = 0; m < MT; ++m) {
       const float* xm = x + m * ldx + c * kChunk;
-      for (int v = 0; v < 2; ++v) acc[m][v] = _mm512_fmadd_ps(w[v], _mm512_loadu_ps(xm + 16 * v), acc[m][v]);
+      for (int v = 0; v < 2; ++v)
+        acc[m][v % kAcc] = _mm512_fmadd_ps(w[v], _mm512_loadu_ps(xm + 16 * v), acc[m][v % kAcc]);
     }
   }
   for (int m = 0; m < MT; ++m) {
@@ -758,16 +760,18 @@ void gemv_512(const uint8_t* data, int64_t row_bytes, int64_t chunks, const floa
       return;
     }
   }
-  float sums[8];
+  float sums[16];
   const int64_t stride = row_bytes / chunks;
   for (int64_t n = begin; n < end; ++n) {
     const uint8_t* row = data + n * row_bytes;
     const float b = bias != nullptr ? bias[n] : 0.f;
     for (int64_t m0 = 0; m0 < rows_x;) {
-      const int64_t left = rows_x - m0, tile = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+      const int64_t left = rows_x - m0;
+      const int64_t tile = left >= 16 ? 16 : left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
       const float* xm = x + m0 * ldx;
       const int64_t ahead = m0 == 0 ? kPrefetchBytes : 0;
-      if (tile == 8) row_times_tile_512<QT, 8>(row, chunks, xm, ldx, sums, ahead, stride);
+      if (tile == 16) row_times_tile_512<QT, 16>(row, chunks, xm, ldx, sums, ahead, stride);
+      else if (tile == 8) row_times_tile_512<QT, 8>(row, chunks, xm, ldx, sums, ahead, stride);
       else if (tile == 4) row_times_tile_512<QT, 4>(row, chunks, xm, ldx, sums, ahead, stride);
       else if (tile == 2) row_times_tile_512<QT, 2>(row, chunks, xm, ldx, sums, ahead, stride);
       else row_times_tile_512<QT, 1>(row, chunks, xm, ldx, sums, ahead, stride);

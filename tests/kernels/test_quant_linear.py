@@ -103,7 +103,7 @@ def test_looked_up_rows_are_the_referees_rows(qtype, kernel_path):
 @given(rows=st.integers(1, quant_linear.GEMM_MIN_ROWS + 12), multiple=st.integers(1, 3),
        out_features=st.integers(1, 37), with_bias=st.booleans(), seed=st.integers(0, 2**16))
 def test_random_blocks_match_the_referee(qtype, kernel_path, rows, multiple, out_features, with_bias, seed):
-    """Rows from 1 to past GEMM_MIN_ROWS cover the GEMV's tiles of 8/4/2/1 rows and the panel-GEMM path."""
+    """Rows from 1 to past GEMM_MIN_ROWS cover the GEMV's tiles of 16/8/4/2/1 rows and the panel-GEMM path."""
     in_features = k_for(qtype, multiple)
     weight = weight_of(qtype, out_features, in_features, seed)
     generator = torch.Generator().manual_seed(seed)
