@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from nebula_engine.engine.sampler import Sampler, apply_top_k_top_p
+from nebula_engine.engine.sampler import Sampler, apply_top_k_top_p, first_max_index
 from nebula_engine.engine.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
@@ -97,3 +97,12 @@ def test_release_restarts_a_seeded_stream():
     sampler.release("a")
     assert draw(sampler, logits, ["a"], params, steps=5) == first
     assert not math.isnan(sampler(logits, ["a"], params).logprobs[0])
+
+
+def test_first_max_index_is_argmax_with_ties_infinities_and_nans():
+    nan, inf = float("nan"), float("inf")
+    rows = torch.tensor([[1.0, 3.0, 3.0, 2.0], [nan, 1.0, 5.0, nan], [-inf] * 4, [0.0] * 4, [2.0, inf, inf, 1.0]])
+    assert torch.equal(first_max_index(rows), rows.argmax(dim=-1))
+    generator = torch.Generator().manual_seed(0)
+    ties = torch.randint(0, 4, (64, 1000), generator=generator).float()  # many equal maxima a row
+    assert torch.equal(first_max_index(ties), ties.argmax(dim=-1))
