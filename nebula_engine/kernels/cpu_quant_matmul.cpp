@@ -239,6 +239,17 @@ inline void scale(__m256* w, float d) {
   for (int v = 0; v < 4; ++v) w[v] = _mm256_mul_ps(dv, w[v]);
 }
 
+// Sub-block s of the Q6_K block at b: its 32 6-bit quants as signed bytes, less 32
+inline __m256i q6k_bytes(const uint8_t* b, int64_t s) {
+  const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (s >> 2) * 64 + (s & 1) * 32));
+  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + (s >> 2) * 32));
+  const __m256i low = _mm256_and_si256(_mm256_srl_epi16(ql, _mm_cvtsi32_si128(static_cast<int>(((s >> 1) & 1) * 4))),
+                                       _mm256_set1_epi8(15));
+  const __m256i high = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(static_cast<int>((s & 3) * 2))),
+                                        _mm256_set1_epi8(3));
+  return _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set1_epi8(32));
+}
+
 template <int64_t QT>
 inline void dequant_chunk_simd(const uint8_t* row, int64_t c, __m256* w) {
   if constexpr (QT == kF32) {
@@ -293,13 +304,7 @@ inline void dequant_chunk_simd(const uint8_t* row, int64_t c, __m256* w) {
   } else if constexpr (QT == kQ6_K) {
     const int64_t s = c & 7;
     const uint8_t* b = row + (c >> 3) * 210;
-    const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (s >> 2) * 64 + (s & 1) * 32));
-    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + (s >> 2) * 32));
-    const __m256i low = _mm256_and_si256(_mm256_srl_epi16(ql, _mm_cvtsi32_si128(static_cast<int>(((s >> 1) & 1) * 4))),
-                                         _mm256_set1_epi8(15));
-    const __m256i high = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(static_cast<int>((s & 3) * 2))),
-                                          _mm256_set1_epi8(3));
-    bytes_to_floats(_mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set1_epi8(32)), w);
+    bytes_to_floats(q6k_bytes(b, s), w);
     const float d = half_f16c(b + 208);
     const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
     const __m256 first = _mm256_set1_ps(d * static_cast<float>(scales[2 * s]));
@@ -457,16 +462,7 @@ inline void signed_bytes_to_floats_512(__m256i q, __m512* w) {  // 32 signed byt
 
 // Sub-block s of the Q6_K block at b: its 32 quants as floats, less 32, before the scales. Bytes first, 32 at a
 // time as the AVX2 path does, then widened.
-inline void q6k_floats_512(const uint8_t* b, int64_t s, __m512* q) {
-  const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (s >> 2) * 64 + (s & 1) * 32));
-  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + (s >> 2) * 32));
-  const __m256i low = _mm256_and_si256(_mm256_srl_epi16(ql, _mm_cvtsi32_si128(static_cast<int>(((s >> 1) & 1) * 4))),
-                                       _mm256_set1_epi8(15));
-  const __m256i high = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(static_cast<int>((s & 3) * 2))),
-                                        _mm256_set1_epi8(3));
-  signed_bytes_to_floats_512(_mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set1_epi8(32)),
-                             q);
-}
+inline void q6k_floats_512(const uint8_t* b, int64_t s, __m512* q) { signed_bytes_to_floats_512(q6k_bytes(b, s), q); }
 
 // Q4_K / Q5_K: the 8 6-bit scales and the 8 mins held in a block's 12 scale bytes, byte s of each for sub-block s
 inline void kquant_scales_mins(const uint8_t* packed, uint64_t& scales, uint64_t& mins) {
