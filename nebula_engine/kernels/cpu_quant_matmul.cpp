@@ -566,11 +566,11 @@ inline void dequant_chunk_512(const uint8_t* row, int64_t c, __m512* w, const KQ
     scale_512(w, half_f16c(b));
   } else if constexpr (QT == kQ4_K || QT == kQ5_K) {
     const int64_t s = c & 7;
-    kquant_floats_512<QT>(row + (c >> 3) * (QT == kQ4_K ? 144 : 176), s, w);
+    kquant_floats_512<QT>(row + (c >> 3) * kKQuantBlockBytes<QT>, s, w);
     scale_and_shift_512(w, block.scale[s], -block.min[s]);
   } else if constexpr (QT == kQ6_K) {
     const int64_t s = c & 7;
-    q6k_floats_512(row + (c >> 3) * 210, s, w);
+    q6k_floats_512(row + (c >> 3) * kKQuantBlockBytes<QT>, s, w);
     w[0] = _mm512_mul_ps(_mm512_set1_ps(block.scale[2 * s]), w[0]);
     w[1] = _mm512_mul_ps(_mm512_set1_ps(block.scale[2 * s + 1]), w[1]);
   }
@@ -674,12 +674,10 @@ inline float row_dot_factored_512(const uint8_t* row, int64_t chunks, const floa
   return _mm512_reduce_add_ps(_mm512_add_ps(even, odd)) + _mm_cvtss_f32(_mm_add_ss(even_mins, odd_mins));
 }
 
-
 // The K-quants factor by sub-block the same way, a block at a time: its 8 (Q4_K, Q5_K) or 16 (Q6_K) sub-block
 // scales, and the mins, are unpacked once as one vector, where a chunk at a time unpacked each chunk's own in scalar
-// code (one row of Q4_K at 8.3 GB/s against Q5_0's 12.8, Qwen2.5-0.5B shapes, 2 threads, weights cold).
-
-// The block-at-a-time dot prefetches each block's lines once, further ahead: Q6_K one row, Qwen2.5-0.5B down shape,
+// code (one row of Q4_K at 8.3 GB/s against Q5_0's 12.8, Qwen2.5-0.5B shapes, 2 threads, weights cold). The
+// block-at-a-time dot prefetches each block's lines once, further ahead: Q6_K one row, Qwen2.5-0.5B down shape,
 // 2 threads, weights cold: 13.3-14.0 GB/s at 4 KiB, 16.0-16.8 at 8 KiB, 15.8 at 16 KiB (Q4_K too noisy to tell).
 constexpr int64_t kKQuantPrefetchBytes = 8192;
 
@@ -742,8 +740,10 @@ void gemv_512(const uint8_t* data, int64_t row_bytes, int64_t chunks, const floa
               const float* bias, float* out, int64_t ldy, int64_t begin, int64_t end) {
   if constexpr (kFactored<QT> || kKQuant<QT>) {
     if (rows_x == 1) {
-      std::vector<float> x_sums(chunks);
-      for (int64_t c = 0; c < chunks; ++c)
+      // the chunks' sums of x, for the types with mins (the others never read them)
+      constexpr bool kUsesSums = kHasMin<QT> || QT == kQ4_K || QT == kQ5_K;
+      std::vector<float> x_sums(kUsesSums ? chunks : 0);
+      for (int64_t c = 0; c < static_cast<int64_t>(x_sums.size()); ++c)
         x_sums[c] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(x + c * kChunk), _mm512_loadu_ps(x + c * kChunk + 16)));
       const int64_t stride = row_bytes / chunks;
       for (int64_t n = begin; n < end; ++n) {
