@@ -46,9 +46,9 @@ def prefill(model, input_path, disk_cache_path, pic_backend, disk_cache_tokens, 
     options = {k: v for k, v in dict(page_size=page_size, num_pages=num_pages, max_model_len=max_model_len,
                                      dtype=dtype, device=device).items() if v is not None}
     try:
-        engine = build_prefill_engine(model, disk_cache_path, pic_backend or "auto",
-                                      disk_cache_tokens or UNLIMITED_DISK_TOKENS, **options)
-        runner = OfflinePrefill(engine, batch_size)
+        runner = OfflinePrefill(build_prefill_engine(model, disk_cache_path, pic_backend or "auto",
+                                                     disk_cache_tokens or UNLIMITED_DISK_TOKENS, **options),
+                                batch_size)
     except (OSError, ValueError, ImportError) as exc:  # missing checkpoint or gguf extra, bad backend spec, page size
         raise click.UsageError(str(exc)) from exc
     total = _count_documents(input_path, limit)
@@ -62,7 +62,7 @@ def prefill(model, input_path, disk_cache_path, pic_backend, disk_cache_tokens, 
             report = runner.run(input_path, limit, on_outcome)
     finally:
         runner.close()
-    _print_report(report, engine, disk_cache_path)
+    _print_report(report, runner, disk_cache_path)
 
 
 def _count_documents(path: Path, limit: int | None) -> int:
@@ -71,11 +71,11 @@ def _count_documents(path: Path, limit: int | None) -> int:
     return count if limit is None else min(count, limit)
 
 
-def _print_report(report, engine, disk_cache_path: Path) -> None:
+def _print_report(report, runner, disk_cache_path: Path) -> None:
     click.echo(f"prefilled {report.prefilled} documents ({report.prefilled_tokens} tokens), "
                f"skipped {report.skipped} already on disk, failed {report.failed}")
     if report.evicted_from_disk:
         click.echo(f"warning: the disk tier dropped {report.evicted_from_disk} entries to stay within "
                    "--disk-cache-tokens; raise it to keep the whole corpus", err=True)
-    click.echo(f"disk tier {disk_cache_path}: model {engine.model_runner.pic_executor.model_id!r}, "
-               f"PIC backend {engine.pic_backend.spec}, page size {engine.config.cache.page_size}")
+    click.echo(f"disk tier {disk_cache_path}: model {runner.format.model_id!r}, "
+               f"PIC backend {runner.format.backend_spec}, page size {runner.kv.page_size}")

@@ -2,14 +2,16 @@
 
 Pin and unpin what a remote reader copies, read what a held request or a pin holds, take and give back pages, store
 what was read from another engine (segments, prefixes), prefill PIC segments into the store, ask what the prefix
-cache holds, and drain what the cache reports. Each operation is async and never races the engine loop: one that
+cache holds and where a segment is, evict down to the tiers below and wait for their writes, and drain what the
+cache reports. Each operation is async and never races the engine loop: one that
 touches only the KV cache (pages, pins, storing what was read, prefix queries) runs under the engine's cache lock
 (``AsyncLLMEngine.call_cache``), so it gets in while a step's forward computes; the others (prefilling segments,
 cache events, a held request's pages) run on the engine's own thread between two steps (``AsyncLLMEngine.call``).
 A pin served mid-step is what lets a remote read cost less than recomputing a short segment.
 
-Only constants set in ``LLMEngine.__init__`` are read directly, from any thread: the page geometry, the KV
-tensors NIXL registers, and segment keys (a pure function of the model, the backend and the token ids).
+Only constants set in ``LLMEngine.__init__`` are read directly, from any thread: the page geometry, the tiers'
+layout, the KV tensors NIXL registers, a backend's PIC format, and segment keys and contexts (pure functions of the
+model, the backend and the token ids).
 Requests themselves go through ``request_port.RequestPort``; the data both ports hand out is in ``port_types``.
 """
 
@@ -24,7 +26,7 @@ import torch
 from nebula_engine.engine.async_engine import AsyncLLMEngine
 from nebula_engine.engine.kv_gate import KVGate
 from nebula_engine.engine.llm_engine import LLMEngine
-from nebula_engine.engine.port_types import CacheDrain, KVGeometry, PrefixPin, SegmentPin
+from nebula_engine.engine.port_types import CacheDrain, KVGeometry, PICFormat, PrefixPin, SegmentPin, TierLayout
 from nebula_engine.kvcache.events import CacheKind, Tier
 from nebula_engine.kvcache.pool import OutOfPagesError
 
@@ -45,6 +47,11 @@ class KVPort:
         # a hybrid model's combine starts at position 0 (``Scheduler._match_prefix``): a cached lead does not help it
         self.combines_start_after_prefix: bool = (self.caches_prefixes
                                                   and self._engine.scheduler.kv_cache.state_slots is None)
+        store = self._engine.cache_store
+        tiers = store.tiers if store is not None else None
+        self.tier_layout = TierLayout(0, 0, None, False) if tiers is None else TierLayout(
+            tiers.host.capacity_tokens if tiers.host else 0, tiers.disk.capacity_tokens if tiers.disk else 0,
+            tiers.disk.root if tiers.disk else None, tiers.config.demote_on_evict)
         # ``prefill_segment`` calls not yet taken by the engine thread (appended on the event loop, taken there);
         # while any wait, an engine call that will take them is on its way
         self._segments_lock = threading.Lock()
@@ -54,9 +61,21 @@ class KVPort:
         """Every attention layer's KV tensors (not the linear-attention state slots): what NIXL registers."""
         return [t for layer in self._engine.model_runner.kv_storage.layer_caches for t in layer]
 
-    def segment_key(self, backend_spec, token_ids) -> str:
+    def segment_key(self, backend_spec, token_ids, context_ids=()) -> str:
         """``LLMEngine.segment_key``: the PIC store key the router and workers name a segment by."""
-        return self._engine.segment_key(backend_spec, token_ids)
+        return self._engine.segment_key(backend_spec, token_ids, context_ids)
+
+    def segment_context(self, backend_spec, token_ids, pic_segments) -> tuple[int, ...]:
+        """``LLMEngine.segment_context``: what a request's segments are prefilled behind."""
+        return self._engine.segment_context(backend_spec, token_ids, pic_segments)
+
+    def pic_format(self, backend_spec) -> PICFormat | None:
+        """How this engine stores the segments of a request with that backend; None when it runs without PIC."""
+        backend = self._engine.resolve_request_backend(backend_spec)
+        executor = self._engine.model_runner.pic_executor
+        if backend is None or executor is None:
+            return None
+        return PICFormat(executor.model_id, backend.spec, backend.cache_format, backend.context == "prefix")
 
     async def _call(self, fn):
         """``fn(engine)`` on the engine thread, between two steps."""
@@ -169,17 +188,21 @@ class KVPort:
                 done.set_result(None)
 
     async def prefill_missing_segments(self, backend_spec, segments: list[list[int]],
-                                       then_open: tuple[KVGate, str] | None = None) -> list[bool]:
+                                       then_open: tuple[KVGate, str] | None = None,
+                                       context_ids: tuple[int, ...] | None = None) -> list[bool]:
         """Prefill together the segments the PIC store lacks; per segment, True when this call prefilled it (one
-        found on the device or promoted from a lower tier existed before: False). All False for a request without
-        PIC. ``then_open``: (gate, part) opened on the engine's thread as soon as the prefill ends, so a combine
-        waiting for these segments can be scheduled in the very next step."""
+        found on the device or promoted from a lower tier existed before, or one the pool had no room for: False).
+        All False for a request without PIC. ``then_open``: (gate, part) opened on the engine's thread as soon as
+        the prefill ends, so a combine waiting for these segments can be scheduled in the very next step.
+        ``context_ids``: what they are prefilled behind (``segment_context``; None: the backend's context for a
+        segment that starts the prompt)."""
         def prefill(engine: LLMEngine) -> list[bool]:
             try:
                 backend = engine.resolve_request_backend(backend_spec)
                 if backend is None:
                     return [False] * len(segments)
-                entries, created = engine.model_runner.pic_executor.lookup_or_prefill_many(backend, segments)
+                entries, created = engine.model_runner.pic_executor.lookup_or_prefill_many(backend, segments,
+                                                                                           context_ids)
                 for entry in entries:
                     if entry is not None:
                         engine.cache_store.pic.unlock(entry)
@@ -260,6 +283,43 @@ class KVPort:
                               [(key, tokens, tier) for kind, key, tier, tokens in lower if kind is CacheKind.PIC])
 
         return await self._call(drain)
+
+    async def segment_tier(self, key: str) -> Tier | None:
+        """Where the PIC store holds the segment ``key`` now (the device, or a tier below it); None: nowhere."""
+        def find(engine: LLMEngine) -> Tier | None:
+            store = engine.cache_store
+            if store is None:
+                return None
+            if key in store.pic:
+                return Tier.DEVICE
+            return store.tiers.tier_of(CacheKind.PIC, key) if store.tiers else None
+
+        return await self._call_cache(find)
+
+    async def evict_unlocked(self) -> int:
+        """Evict every entry of the device cache that no request or reader holds, as pool pressure would
+        (``CacheStore.evict_all``): down to the tiers below when they take it, else dropped. How many left."""
+        return await self._call_cache(lambda e: e.cache_store.evict_all() if e.cache_store else 0)
+
+    async def flush_tiers(self, keys: list[str] = ()) -> list[str]:
+        """Wait for the lower tiers' background writes; returns those of the PIC segments ``keys`` that the disk
+        tier took but failed to write (what was written stays)."""
+        def flush(engine: LLMEngine) -> list[str]:
+            store = engine.cache_store
+            if store is None:
+                return []
+            store.flush()
+            disk, kind = store.tiers.disk if store.tiers else None, CacheKind.PIC.value
+            if disk is None:
+                return []
+            return [key for key in keys if (kind, key) in disk and not disk.is_written(kind, key)]
+
+        return await self._call(flush)
+
+    async def close_tiers(self) -> None:
+        """Finish the lower tiers' background I/O and stop its thread; the disk tier stays valid for a restart.
+        The last call before ``RequestPort.shutdown`` of an engine that has a disk tier."""
+        await self._call(lambda e: e.cache_store and e.cache_store.close())
 
     async def set_pc_share(self, pc_share: float) -> None:
         """Retarget the prefix cache's share of the device cache (no-op without a cache store)."""

@@ -164,13 +164,23 @@ class LLMEngine:
                              "it cannot serve a PIC backend")
         return backend
 
-    def segment_key(self, spec: str | None, token_ids) -> str:
+    def segment_key(self, spec: str | None, token_ids, context_ids=()) -> str:
         """The PIC store key of a segment for a request whose backend spec is ``spec`` (``ENGINE_DEFAULT``: the
-        engine's); "" when that request runs without PIC. Router and workers name store entries with this."""
+        engine's), prefilled behind ``context_ids`` (``segment_context``; a key depends on it only for a backend
+        with ``context="prefix"``); "" when that request runs without PIC. Router and workers name store entries
+        with this."""
         backend = self.resolve_request_backend(spec)
         if backend is None or self.model_runner.pic_executor is None:
             return ""
-        return self.model_runner.pic_executor.segment_key(backend, token_ids)
+        return self.model_runner.pic_executor.segment_key(backend, token_ids, context_ids)
+
+    def segment_context(self, spec: str | None, token_ids, pic_segments) -> tuple[int, ...]:
+        """What the PIC segments of a request (its ``token_ids`` and ``pic_segments``) whose backend spec is
+        ``spec`` are prefilled behind (``PICExecutor.segment_context``); () when that request runs without PIC."""
+        backend = self.resolve_request_backend(spec)
+        if backend is None or self.model_runner.pic_executor is None:
+            return ()
+        return self.model_runner.pic_executor.segment_context(backend, token_ids, pic_segments)
 
     # ---- prefill / decode hand-off ----
 

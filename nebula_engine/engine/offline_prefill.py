@@ -2,12 +2,13 @@
 
 Each non-blank line is a JSON object with ``"text"`` (tokenized by ``encode_plain``, exactly as the text between
 ``<pic>`` tags is at serving time) or ``"token_ids"``, and an optional ``"id"``. Each document is one PIC segment,
-keyed by ``PICExecutor.segment_key`` for the engine's backend. A backend with ``context=prefix`` caches a document
+keyed by ``KVPort.segment_key`` for the engine's backend. A backend with ``context=prefix`` caches a document
 as computed behind the prefix of the requests that will use it, which each line then names with one of
 ``"system"`` (a chat's system prompt: the template's text up to the user turn's first ``<pic>``),
 ``"prefix"`` (a completion prompt's text before its first ``<pic>``) or ``"prefix_token_ids"``. A document
 already on the disk tier is skipped, so a rerun resumes where a stopped one left off; any other is prefilled by
-the engine's ``PICExecutor`` (the scatter prefill serving would run) and evicted straight down to the disk tier.
+``KVPort.prefill_missing_segments`` (the scatter prefill a cluster peer runs) and evicted straight down to the disk
+tier. The engine is used through its two ports only, as the cluster uses it.
 
 Invariants: the engine has a disk tier and no host tier, so an eviction lands on disk; the device pool holds at
 most the document being prefilled; at most ``batch_size`` payloads wait for the disk writer and cache events are
@@ -18,14 +19,18 @@ format and page size; ``prefill-manifest.json`` beside the index records them (a
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator
 
 from nebula_engine.config import EngineConfig
-from nebula_engine.engine.llm_engine import LLMEngine
-from nebula_engine.kvcache.events import CacheKind, EvictEvent, Tier
+from nebula_engine.engine.async_engine import AsyncLLMEngine
+from nebula_engine.engine.kv_port import KVPort
+from nebula_engine.engine.port_types import PICFormat
+from nebula_engine.engine.request_port import ENGINE_DEFAULT, RequestPort
+from nebula_engine.kvcache.events import EvictEvent, Tier
 
 MANIFEST_FILE = "prefill-manifest.json"
 UNLIMITED_DISK_TOKENS = 1 << 62
@@ -69,14 +74,14 @@ class PrefillReport:
 
 
 def build_prefill_engine(model: str, disk_cache_path: str | os.PathLike, pic_backend: str = "auto",
-                         disk_cache_tokens: int = UNLIMITED_DISK_TOKENS, **options: Any) -> LLMEngine:
+                         disk_cache_tokens: int = UNLIMITED_DISK_TOKENS, **options: Any) -> AsyncLLMEngine:
     """An engine whose evictions go straight to the disk tier at ``disk_cache_path``; ``options`` as for ``LLM``."""
     if options.get("host_cache_tokens"):
         raise ValueError("offline prefill writes straight to the disk tier: host_cache_tokens must be 0")
     config = EngineConfig.create(model, pic_backend=pic_backend, disk_cache_path=str(disk_cache_path),
                                  disk_cache_tokens=disk_cache_tokens, host_cache_tokens=0, demote_on_evict=True,
                                  enable_prefix_caching=False, **options)
-    return LLMEngine(config)
+    return AsyncLLMEngine.from_config(config)
 
 
 def read_lines(path: str | os.PathLike, limit: int | None = None) -> Iterator[tuple[int, bytes]]:
@@ -93,69 +98,84 @@ def read_lines(path: str | os.PathLike, limit: int | None = None) -> Iterator[tu
 
 
 class OfflinePrefill:
-    def __init__(self, engine: LLMEngine, batch_size: int = 16):
-        if engine.model_runner.pic_executor is None or engine.pic_backend is None:
+    """Prefills a corpus through the engine's two ports (``KVPort``, ``RequestPort``), as a cluster peer uses them.
+
+    It owns the engine it is given: ``close`` (or a failed check here) shuts it down. ``run`` is called from
+    synchronous code; ``run_async`` from a running event loop."""
+
+    def __init__(self, engine: AsyncLLMEngine, batch_size: int = 16):
+        self.kv = KVPort(engine)
+        self.requests = RequestPort(engine)
+        try:
+            self.format = self._check(batch_size)
+            self.manifest_path = self.kv.tier_layout.disk_path / MANIFEST_FILE
+            self._check_manifest()
+        except ValueError:
+            self.close()
+            raise
+        self.batch_size = batch_size
+
+    def _check(self, batch_size: int) -> PICFormat:
+        pic_format = self.kv.pic_format(ENGINE_DEFAULT)
+        if pic_format is None:
             raise ValueError("offline prefill needs a PIC backend (pic_backend=None turns PIC off)")
-        tiers = engine.cache_store.tiers
-        if tiers is None or tiers.disk is None:
+        layout = self.kv.tier_layout
+        if not layout.disk_tokens:
             raise ValueError("offline prefill needs a disk tier: set disk_cache_tokens and disk_cache_path")
-        if tiers.host is not None or not tiers.config.demote_on_evict:
+        if layout.host_tokens or not layout.demote_on_evict:
             raise ValueError("offline prefill needs evictions to land on disk: no host tier, demote_on_evict=True")
         if batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
-        self.engine = engine
-        self.executor = engine.model_runner.pic_executor
-        self.store = engine.cache_store
-        self.disk = tiers.disk
-        self.backend = engine.pic_backend
-        self.batch_size = batch_size
-        self.manifest_path = self.disk.root / MANIFEST_FILE
-        self._check_manifest()
+        return pic_format
 
     def run(self, path: str | os.PathLike, limit: int | None = None,
             on_outcome: Callable[[Outcome], None] | None = None) -> PrefillReport:
         """Prefill every document of the JSONL corpus at ``path`` not yet on disk; ``on_outcome`` sees each line."""
+        return asyncio.run(self.run_async(path, limit, on_outcome))
+
+    async def run_async(self, path: str | os.PathLike, limit: int | None = None,
+                        on_outcome: Callable[[Outcome], None] | None = None) -> PrefillReport:
         report = PrefillReport()
-        self.store.drain_events()  # a restarted disk tier announces what it already holds
+        await self.kv.drain_cache_events()  # a restarted disk tier announces what it already holds
         batch: list[str] = []  # keys prefilled since the last flush
         for number, raw in read_lines(path, limit):
-            outcome, key = self.prefill_line(number, raw)
+            outcome, key = await self.prefill_line(number, raw)
             report.add(outcome)
             if on_outcome is not None:
                 on_outcome(outcome)
             if key is not None:
                 batch.append(key)
             if len(batch) >= self.batch_size:
-                self._finish_batch(batch, report, str(path))
-        self._finish_batch(batch, report, str(path))
+                await self._finish_batch(batch, report, str(path))
+        await self._finish_batch(batch, report, str(path))
         return report
 
-    def prefill_line(self, number: int, raw: bytes) -> tuple[Outcome, str | None]:
+    async def prefill_line(self, number: int, raw: bytes) -> tuple[Outcome, str | None]:
         """The line's outcome, and its key when it was prefilled now."""
         doc_id = None
+        max_model_len = self.requests.max_model_len
         try:
             document = parse_document(raw)
             doc_id = document.get("id")
             token_ids = self.document_token_ids(document)
             context = self.document_context(document)
-            if len(context) + len(token_ids) >= self.engine.max_model_len:
+            if len(context) + len(token_ids) >= max_model_len:
                 raise DocumentError(f"a prefix of {len(context)} tokens and {len(token_ids)} document tokens leave "
-                                    f"no room under max_model_len {self.engine.max_model_len}")
+                                    f"no room under max_model_len {max_model_len}")
         except DocumentError as error:
             return Outcome(number, doc_id, "failed", reason=str(error)), None
-        key = self.executor.segment_key(self.backend, token_ids, context)
-        if self.store.tiers.tier_of(CacheKind.PIC, key) is Tier.DISK:
+        key = self.kv.segment_key(ENGINE_DEFAULT, token_ids, context)
+        if await self.kv.segment_tier(key) is Tier.DISK:
             return Outcome(number, doc_id, "skipped", len(token_ids)), None
-        entry = self.executor.prefill_segment(self.backend, key, token_ids, context)
-        if entry is None:
-            pages = -(-len(token_ids) // self.store.page_size) + -(-len(context) // self.store.page_size)
+        [prefilled] = await self.kv.prefill_missing_segments(ENGINE_DEFAULT, [token_ids], context_ids=context)
+        if not prefilled:
+            page_size = self.kv.page_size
+            pages = -(-len(token_ids) // page_size) + -(-len(context) // page_size)
             return Outcome(number, doc_id, "failed", len(token_ids),
                            f"{len(token_ids)} tokens behind a prefix of {len(context)} need {pages} pages; "
-                           f"the KV pool has "
-                           f"{self.store.pool.num_pages}"), None
-        self.store.pic.unlock(entry)
-        self.store.evict_all()
-        if self.store.tiers.tier_of(CacheKind.PIC, key) is not Tier.DISK:
+                           f"the KV pool has {self.kv.kv_geometry.num_pages}"), None
+        await self.kv.evict_unlocked()
+        if await self.kv.segment_tier(key) is not Tier.DISK:
             raise RuntimeError(f"segment {key} of line {number} did not reach the disk tier")
         return Outcome(number, doc_id, "prefilled", len(token_ids)), key
 
@@ -165,65 +185,63 @@ class OfflinePrefill:
             text = document["text"]
             if any(tag in text for tag in _TAGS):
                 raise DocumentError("text contains a <pic> or </pic> tag: it could never be served as one segment")
-            token_ids = self.engine.tokenizer.encode_plain(text)
+            token_ids = self.requests.tokenizer.encode_plain(text)
         else:
             token_ids = document["token_ids"]
-            vocab = self.engine.model_config.vocab_size
+            vocab = self.requests.vocab_size
             bad = [t for t in token_ids if not 0 <= t < vocab]
             if bad:
                 raise DocumentError(f"token id(s) {bad[:5]} outside the vocabulary [0, {vocab})")
         if not token_ids:
             raise DocumentError("empty document: it has no tokens")
-        if len(token_ids) >= self.engine.max_model_len:
+        if len(token_ids) >= self.requests.max_model_len:
             raise DocumentError(f"too long: {len(token_ids)} tokens, and a request must stay under "
-                                f"max_model_len {self.engine.max_model_len}")
-        if len(token_ids) > self.disk.capacity_tokens:
+                                f"max_model_len {self.requests.max_model_len}")
+        if len(token_ids) > self.kv.tier_layout.disk_tokens:
             raise DocumentError(f"{len(token_ids)} tokens exceed the disk tier's capacity of "
-                                f"{self.disk.capacity_tokens}")
+                                f"{self.kv.tier_layout.disk_tokens}")
         return token_ids
 
     def document_context(self, document: dict[str, Any]) -> tuple[int, ...]:
         """What the document is prefilled behind: the prefix its line names (backend ``context=prefix``), as
         serving tokenizes a request's tokens before its first PIC segment; else the backend's own context."""
         named = [name for name in PREFIX_FIELDS if name in document]
-        if self.backend.context != "prefix":
+        if not self.format.keyed_by_prefix:
             if named:
                 raise DocumentError(f'"{named[0]}" is only for a PIC backend with context=prefix; this engine\'s '
-                                    f"is {self.backend.spec}")
-            return self.executor.segment_context(self.backend, (), ())
+                                    f"is {self.format.backend_spec}")
+            return self.kv.segment_context(ENGINE_DEFAULT, (), ())
         if not named:
-            raise DocumentError(f"PIC backend {self.backend.spec} caches documents behind the requests' prefix: "
-                                f'give the line one of {", ".join(PREFIX_FIELDS)}')
-        tokenizer = self.engine.tokenizer
+            raise DocumentError(f"PIC backend {self.format.backend_spec} caches documents behind the requests' "
+                                f'prefix: give the line one of {", ".join(PREFIX_FIELDS)}')
+        tokenizer = self.requests.tokenizer
         if named[0] == "system":
             segmented = tokenizer.segment_chat([{"role": "system", "content": document["system"]},
                                                 {"role": "user", "content": "<pic>document</pic>"}])
         elif named[0] == "prefix":
             segmented = tokenizer.segment_prompt(f"{document['prefix']}<pic>document</pic>")
         else:
-            vocab = self.engine.model_config.vocab_size
+            vocab = self.requests.vocab_size
             bad = [t for t in document["prefix_token_ids"] if not 0 <= t < vocab]
             if bad:
                 raise DocumentError(f"prefix token id(s) {bad[:5]} outside the vocabulary [0, {vocab})")
             return tuple(document["prefix_token_ids"])
-        return self.executor.segment_context(self.backend, segmented.token_ids, segmented.pic_segments)
+        return self.kv.segment_context(ENGINE_DEFAULT, segmented.token_ids, segmented.pic_segments)
 
-    def _finish_batch(self, batch: list[str], report: PrefillReport, source: str) -> None:
+    async def _finish_batch(self, batch: list[str], report: PrefillReport, source: str) -> None:
         """Wait for the batch's disk writes, count what the disk dropped, update the manifest."""
-        self.store.flush()
-        kind = CacheKind.PIC.value
-        unwritten = [key for key in batch if (kind, key) in self.disk and not self.disk.is_written(kind, key)]
+        unwritten = await self.kv.flush_tiers(batch)
         if unwritten:
-            raise OSError(f"{len(unwritten)} disk tier write(s) failed under {self.disk.root} (see the log); "
-                          "what was written is kept: a rerun resumes from there")
+            raise OSError(f"{len(unwritten)} disk tier write(s) failed under {self.kv.tier_layout.disk_path} (see "
+                          "the log); what was written is kept: a rerun resumes from there")
         batch.clear()
-        report.evicted_from_disk += sum(isinstance(e, EvictEvent) and e.tier is Tier.DISK
-                                        for e in self.store.drain_events())
+        drained = await self.kv.drain_cache_events()
+        report.evicted_from_disk += sum(isinstance(e, EvictEvent) and e.tier is Tier.DISK for e in drained.events)
         self._write_manifest(report, source)
 
     def _identity(self) -> dict[str, Any]:
-        return {"model_id": self.executor.model_id, "pic_backend": self.backend.spec,
-                "cache_format": self.backend.cache_format, "page_size": self.store.page_size}
+        return {"model_id": self.format.model_id, "pic_backend": self.format.backend_spec,
+                "cache_format": self.format.cache_format, "page_size": self.kv.page_size}
 
     def _check_manifest(self) -> None:
         if not self.manifest_path.exists():
@@ -232,9 +250,9 @@ class OfflinePrefill:
             page_size = json.loads(self.manifest_path.read_text())["page_size"]
         except (ValueError, KeyError, TypeError) as error:
             raise ValueError(f"{self.manifest_path} is unreadable ({error}); remove it to start over") from None
-        if page_size != self.store.page_size:
-            raise ValueError(f"the disk tier at {self.disk.root} holds pages of {page_size} tokens; "
-                             f"page size {self.store.page_size} cannot share it")
+        if page_size != self.kv.page_size:
+            raise ValueError(f"the disk tier at {self.kv.tier_layout.disk_path} holds pages of {page_size} tokens; "
+                             f"page size {self.kv.page_size} cannot share it")
 
     def _write_manifest(self, report: PrefillReport, source: str) -> None:
         counts = {k: v for k, v in asdict(report).items() if k != "failures"}
@@ -244,8 +262,11 @@ class OfflinePrefill:
         os.replace(tmp, self.manifest_path)
 
     def close(self) -> None:
-        """Finish disk I/O; the disk tier stays valid for the serving engines that will read it."""
-        self.store.close()
+        """Finish disk I/O and stop the engine; the disk tier stays valid for the serving engines that will read it."""
+        try:
+            asyncio.run(self.kv.close_tiers())
+        finally:
+            self.requests.shutdown()
 
 
 def parse_document(raw: bytes) -> dict[str, Any]:

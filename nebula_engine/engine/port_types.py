@@ -8,12 +8,14 @@ to ``KVPort.unpin_segment`` / ``KVPort.unpin_prefix``; the caller keeps track of
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Mapping
 
 from nebula_engine.engine.async_engine import EngineDeadError, EngineError, EngineStats
 from nebula_engine.kvcache.events import Tier
 
-__all__ = ["CacheDrain", "EngineDeadError", "EngineError", "EngineStats", "KVGeometry", "PrefixPin", "SegmentPin"]
+__all__ = ["CacheDrain", "EngineDeadError", "EngineError", "EngineStats", "KVGeometry", "PICFormat", "PrefixPin",
+           "SegmentPin", "TierLayout"]
 
 
 @dataclass(frozen=True)
@@ -23,6 +25,26 @@ class KVGeometry:
     page_size: int  # tokens per page
     num_pages: int
     bytes_per_token: int  # K and V of every attention layer
+
+
+@dataclass(frozen=True)
+class TierLayout:
+    """The tiers below this engine's device cache, as it was configured."""
+
+    host_tokens: int  # capacity of the host tier; 0: none
+    disk_tokens: int  # capacity of the disk tier; 0: none
+    disk_path: Path | None  # the disk tier's directory
+    demote_on_evict: bool  # an entry evicted from the device moves down a tier (False: it is dropped)
+
+
+@dataclass(frozen=True)
+class PICFormat:
+    """How the PIC segments of requests with one backend are stored, and so which stored entries they can use."""
+
+    model_id: str
+    backend_spec: str  # ``PICBackend.spec``: parses back to the backend
+    cache_format: str  # backends that store segments alike share it (and their entries)
+    keyed_by_prefix: bool  # a segment is prefilled behind the request's prefix, and its key names that prefix
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ class RequestPort:
 
     def __init__(self, engine: AsyncLLMEngine):
         self._async = engine
+        self.vocab_size: int = engine.engine.model_config.vocab_size  # token ids of a prompt lie in [0, vocab_size)
 
     @property
     def tokenizer(self) -> Tokenizer:

@@ -10,6 +10,7 @@ from click.testing import CliRunner
 
 from nebula_engine import LLM, SamplingParams
 from nebula_engine.engine.offline_prefill import MANIFEST_FILE, OfflinePrefill, build_prefill_engine
+from nebula_engine.engine.request_port import ENGINE_DEFAULT
 from nebula_engine.cli.prefill import prefill
 from tests.model_cases import CASES_BY_NAME, checkpoint_factory  # noqa: F401  (fixture)
 
@@ -85,8 +86,8 @@ def test_rerun_skips_every_document_already_on_disk_and_resumes_the_rest(checkpo
     assert other_backend.prefilled == 0  # cacheblend computes segments as epic does: same cache format, same keys
     engine = build_prefill_engine(model, disk, "epic", page_size=8, num_pages=64)
     with pytest.raises(ValueError, match="pages of 4 tokens"):
-        OfflinePrefill(engine)
-    engine.cache_store.close()
+        OfflinePrefill(engine)  # shuts down the engine it was given
+    assert not engine.stats().alive
 
 
 def test_bad_lines_are_counted_with_line_numbers_and_the_rest_completes(checkpoint_factory, tmp_path):
@@ -162,8 +163,8 @@ def test_a_failed_disk_write_stops_the_run_and_keeps_what_was_written(checkpoint
     model = str(checkpoint_factory(CASES_BY_NAME["qwen3_gqa2_hd20"]))
     disk = tmp_path / "disk"
     runner = OfflinePrefill(build_prefill_engine(model, disk, "epic", **ENGINE), batch_size=1)
-    ids = runner.engine.tokenizer.encode_plain(DOCUMENTS[2])
-    blocker = disk / f".pic-{runner.executor.segment_key(runner.backend, ids)}.kv.tmp"
+    ids = runner.requests.tokenizer.encode_plain(DOCUMENTS[2])
+    blocker = disk / f".pic-{runner.kv.segment_key(ENGINE_DEFAULT, ids)}.kv.tmp"
     blocker.mkdir()  # the third document's write will fail
     with pytest.raises(OSError, match="1 disk tier write"):
         runner.run(corpus)
