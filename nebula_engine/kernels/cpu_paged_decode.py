@@ -74,8 +74,9 @@ def set_enabled(enabled: bool) -> bool:
 
 def usable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether this call can take the kernel: switched on, fp32 tensors on CPU, outside autograd, kernel loaded."""
-    return (_ENABLED and q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype == torch.float32
-            and v_cache.dtype == torch.float32 and k_cache.device.type == "cpu"
+    # ``is_cpu``, not ``device.type``: a decode step asks once per layer, and building a device object costs more
+    return (_ENABLED and q.is_cpu and q.dtype == torch.float32 and k_cache.dtype == torch.float32
+            and v_cache.dtype == torch.float32 and k_cache.is_cpu
             and not (torch.is_grad_enabled() and q.requires_grad) and load())
 
 
