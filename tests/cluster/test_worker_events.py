@@ -9,7 +9,7 @@ from builders import Clock
 
 from nebula_engine.cluster.runtime import wire
 from nebula_engine.cluster.runtime.liveness import Liveness
-from nebula_engine.cluster.runtime.cache_reporting import CacheReporter
+from nebula_engine.cluster.runtime.cache_reporting import CacheCounts, CacheReporter
 from nebula_engine.cluster.runtime.worker import WorkerService
 from nebula_engine.kvcache.events import CacheKind, EvictEvent, MoveEvent, StoreEvent, Tier
 
@@ -37,7 +37,7 @@ def test_pic_events_reach_the_router_unchanged_but_numbered_in_the_workers_seque
                                MoveEvent(2, 3, PIC, ("doc",), 8, Tier.DEVICE, Tier.DISK),
                                EvictEvent(2, 4, PIC, ("doc",), 8, Tier.DISK)]
     assert wire.decode(wire.encode(message)) == message
-    assert worker.evictions == {"pc": 0, "pic": 1}  # left the device once (the disk tier's eviction is not one)
+    assert worker.evictions == CacheCounts(pc=0, pic=1)  # left the device once (the disk tier's eviction is not one)
 
 
 def test_pc_pages_are_reported_only_as_the_loss_of_the_prompt_segments_they_end():
@@ -49,7 +49,7 @@ def test_pc_pages_are_reported_only_as_the_loss_of_the_prompt_segments_they_end(
                      EvictEvent(2, 4, PC, ("page-c", "page-d"), 8)]
     worker.report_events([e for raw in engine_events for e in worker.for_router(raw)])
     assert heard[0].events == [EvictEvent(2, 1, PC, ("chain-1",), 0), EvictEvent(2, 2, PC, ("chain-2",), 0)]
-    assert worker.evictions == {"pc": 4, "pic": 0}  # the pages that left the device
+    assert worker.evictions == CacheCounts(pc=4, pic=0)  # the pages that left the device
 
 
 def test_a_cached_prompt_is_reported_one_pc_entry_per_segment_with_that_segments_own_tokens(engine):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from dataclasses import dataclass
 from typing import Callable
 
 import msgspec
@@ -18,6 +19,21 @@ from nebula_engine.cluster.runtime import wire
 from nebula_engine.engine.kv_port import KVPort
 from nebula_engine.kvcache.events import CacheEvent, CacheKind, EvictEvent, MoveEvent, StoreEvent, Tier
 from nebula_engine.pic.segments import SegmentedPrompt
+
+
+@dataclass
+class CacheCounts:
+    """Entries that left this worker's device cache (dropped or moved to a lower tier), by kind, counted from its
+    engine's cache events."""
+
+    pc: int = 0  # prefix-cache pages
+    pic: int = 0  # PIC segments
+
+    def count_left_device(self, kind: CacheKind, entries: int) -> None:
+        if kind is CacheKind.PC:
+            self.pc += entries
+        else:
+            self.pic += entries
 
 
 class CacheReporter:
@@ -33,7 +49,7 @@ class CacheReporter:
         self.pic_key = pic_key
         self.pc_page_keys: dict[str, set[str]] = {}  # radix page hash -> segment chain keys ending in it
         self._next_seq = 1  # sequence number of the next event reported to the router (cache events and task done)
-        self.evictions = {"pc": 0, "pic": 0}  # entries that left the device (dropped or demoted), from the events
+        self.evictions = CacheCounts()
 
     def report(self, message: wire.Msg) -> None:
         leader = self.leader()
@@ -98,7 +114,7 @@ class CacheReporter:
         left_device = ((isinstance(event, EvictEvent) and event.tier is Tier.DEVICE)
                        or (isinstance(event, MoveEvent) and event.src is Tier.DEVICE))
         if left_device:
-            self.evictions[event.kind.value] += len(event.keys)
+            self.evictions.count_left_device(event.kind, len(event.keys))
         if event.kind is CacheKind.PIC:
             return [event]
         if isinstance(event, EvictEvent) or (isinstance(event, MoveEvent) and event.dst is not Tier.DEVICE):

@@ -44,8 +44,9 @@ class ClusterCollector:
         yield leads
         evictions = CounterMetricFamily("nebula_cache_evictions", "Cache entries evicted from the device",
                                         labels=["kind"])
-        for kind in ("pc", "pic"):
-            evictions.add_metric([kind], self.worker.evictions[kind])
+        counts = self.worker.evictions
+        for kind, entries in (("pc", counts.pc), ("pic", counts.pic)):
+            evictions.add_metric([kind], entries)
         yield evictions
         leader = GaugeMetricFamily("nebula_is_leader", "1 on the peer that runs the router")
         leader.add_metric([], 1.0 if self.router.active else 0.0)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Callable
 
 from nebula_engine.cluster.runtime import wire
-from nebula_engine.cluster.runtime.cache_reporting import CacheReporter
+from nebula_engine.cluster.runtime.cache_reporting import CacheCounts, CacheReporter
 from nebula_engine.cluster.runtime.handoff import Handoffs
 from nebula_engine.cluster.runtime.in_flight import InFlightKeys, ReadsExpected, Streams
 from nebula_engine.cluster.runtime.liveness import Liveness
@@ -76,7 +76,7 @@ class WorkerService:
         return self.prefill.leads_for_others
 
     @property
-    def evictions(self) -> dict[str, int]:
+    def evictions(self) -> CacheCounts:
         return self.reporter.evictions
 
     # ---- router commands ----
