@@ -9,6 +9,8 @@ import pytest
 from click.testing import CliRunner
 
 from nebula_engine import LLM, SamplingParams
+from nebula_engine.config import EngineConfig
+from nebula_engine.engine.async_engine import AsyncLLMEngine
 from nebula_engine.engine.offline_prefill import MANIFEST_FILE, OfflinePrefill, build_prefill_engine
 from nebula_engine.engine.request_port import ENGINE_DEFAULT
 from nebula_engine.cli.prefill import prefill
@@ -87,6 +89,21 @@ def test_rerun_skips_every_document_already_on_disk_and_resumes_the_rest(checkpo
     engine = build_prefill_engine(model, disk, "epic", page_size=8, num_pages=64)
     with pytest.raises(ValueError, match="pages of 4 tokens"):
         OfflinePrefill(engine)  # shuts down the engine it was given
+    assert not engine.stats().alive
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(pic_backend=None, disk_cache_tokens=1000), "needs a PIC backend"),
+    (dict(pic_backend="epic"), "needs a disk tier"),
+    (dict(pic_backend="epic", disk_cache_tokens=1000, host_cache_tokens=1000), "evictions to land on disk"),
+], ids=["pic-off", "no-disk-tier", "a-host-tier"])
+def test_an_engine_offline_prefill_cannot_use_is_refused_and_shut_down(checkpoint_factory, tmp_path, options,
+                                                                       message):
+    model = str(checkpoint_factory(CASES_BY_NAME["qwen3_gqa2_hd20"]))
+    disk = {"disk_cache_path": str(tmp_path / "disk")} if "disk_cache_tokens" in options else {}
+    engine = AsyncLLMEngine.from_config(EngineConfig.create(model, **options, **disk, **ENGINE))
+    with pytest.raises(ValueError, match=message):
+        OfflinePrefill(engine)
     assert not engine.stats().alive
 
 
