@@ -42,6 +42,12 @@ struct Layout {
   int64_t block_values, block_bytes;
 };
 
+template <int64_t QT>
+constexpr bool kKQuant = QT == kQ4_K || QT == kQ5_K || QT == kQ6_K;
+
+template <int64_t QT>
+constexpr int64_t kKQuantBlockBytes = QT == kQ4_K ? 144 : QT == kQ5_K ? 176 : 210;
+
 Layout layout_of(int64_t qtype) {
   switch (qtype) {
     case kF32: return {1, 4};
@@ -51,9 +57,9 @@ Layout layout_of(int64_t qtype) {
     case kQ5_0: return {32, 22};
     case kQ5_1: return {32, 24};
     case kQ8_0: return {32, 34};
-    case kQ4_K: return {256, 144};
-    case kQ5_K: return {256, 176};
-    case kQ6_K: return {256, 210};
+    case kQ4_K: return {256, kKQuantBlockBytes<kQ4_K>};
+    case kQ5_K: return {256, kKQuantBlockBytes<kQ5_K>};
+    case kQ6_K: return {256, kKQuantBlockBytes<kQ6_K>};
   }
   TORCH_CHECK(false, "quant_linear: ggml type ", qtype, " is not supported");
 }
@@ -149,7 +155,7 @@ void dequant_chunk_scalar(const uint8_t* row, int64_t c, float* out) {
     for (int j = 0; j < kChunk; ++j) out[j] = d * static_cast<float>(qs[j]);
   } else if constexpr (QT == kQ4_K || QT == kQ5_K) {
     const int64_t s = c & 7;
-    const uint8_t* b = row + (c >> 3) * (QT == kQ4_K ? 144 : 176);
+    const uint8_t* b = row + (c >> 3) * kKQuantBlockBytes<QT>;
     int scale, min;
     kquant_scale_min(b + 4, s, scale, min);
     const float ds = half_at(b) * static_cast<float>(scale), dm = half_at(b + 2) * static_cast<float>(min);
@@ -162,7 +168,7 @@ void dequant_chunk_scalar(const uint8_t* row, int64_t c, float* out) {
     }
   } else if constexpr (QT == kQ6_K) {
     const int64_t s = c & 7;
-    const uint8_t* b = row + (c >> 3) * 210;
+    const uint8_t* b = row + (c >> 3) * kKQuantBlockBytes<QT>;
     const float d = half_at(b + 208);
     const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
     const uint8_t* ql = b + (s >> 2) * 64 + (s & 1) * 32;
@@ -286,7 +292,7 @@ inline void dequant_chunk_simd(const uint8_t* row, int64_t c, __m256* w) {
     scale(w, half_f16c(b));
   } else if constexpr (QT == kQ4_K || QT == kQ5_K) {
     const int64_t s = c & 7;
-    const uint8_t* b = row + (c >> 3) * (QT == kQ4_K ? 144 : 176);
+    const uint8_t* b = row + (c >> 3) * kKQuantBlockBytes<QT>;
     int sc, mn;
     kquant_scale_min(b + 4, s, sc, mn);
     const uint8_t* qs = b + (QT == kQ4_K ? 16 : 48) + (s >> 1) * 32;
@@ -303,7 +309,7 @@ inline void dequant_chunk_simd(const uint8_t* row, int64_t c, __m256* w) {
     scale_and_shift(w, half_f16c(b) * static_cast<float>(sc), -(half_f16c(b + 2) * static_cast<float>(mn)));
   } else if constexpr (QT == kQ6_K) {
     const int64_t s = c & 7;
-    const uint8_t* b = row + (c >> 3) * 210;
+    const uint8_t* b = row + (c >> 3) * kKQuantBlockBytes<QT>;
     bytes_to_floats(q6k_bytes(b, s), w);
     const float d = half_f16c(b + 208);
     const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
@@ -497,12 +503,6 @@ inline void q6k_half_bytes_512(const uint8_t* b, int64_t h, int8_t* out) {
   _mm512_store_si512(out, _mm512_sub_epi8(first, offset));
   _mm512_store_si512(out + 64, _mm512_sub_epi8(second, offset));
 }
-
-template <int64_t QT>
-constexpr bool kKQuant = QT == kQ4_K || QT == kQ5_K || QT == kQ6_K;
-
-template <int64_t QT>
-constexpr int64_t kKQuantBlockBytes = QT == kQ4_K ? 144 : QT == kQ5_K ? 176 : 210;
 
 // A K-quant block's sub-block scales as floats (d * scale: 8 for Q4_K / Q5_K, 16 for Q6_K) and, for Q4_K / Q5_K,
 // its mins (dmin * min, to subtract), unpacked once for the block's 8 chunks
