@@ -230,10 +230,6 @@ class PICExecutor:
         self.stats.segment_skipped += sum(1 for e in created.values() if e is None)
         return entries, [key in created for key in keys]
 
-    def prefill_segment(self, backend: PICBackend, key: str, token_ids, context_ids=None) -> PICEntry | None:
-        """One segment: ``prefill_segments`` of one."""
-        return self.prefill_segments(backend, {key: list(token_ids)}, context_ids)[key]
-
     @torch.inference_mode()  # callers outside an engine step (a scatter, a cluster peer's own-segment prefill)
     def prefill_segments(self, backend: PICBackend, cold: dict[str, list],
                          context_ids=None) -> dict[str, PICEntry | None]:
