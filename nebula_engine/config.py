@@ -59,8 +59,8 @@ class EngineConfig:
     device: str = "cpu"
     attention_backend: str = "auto"  # "auto": flashinfer on CUDA when installed, else torch
     seed: int = 0  # seeds requests that carry no seed of their own
-    # PIC backend spec for prompts with <pic> segments: "auto" (hypic for hybrid models, else epic), a name
-    # ("full", "naive", "epic", "cacheblend", "a3", "hypic"), "name:option=value,...", or None (PIC off)
+    # PIC backend spec for prompts with <pic> segments: "auto" (hypic for hybrid models, else prophet), a
+    # name ("full", "naive", "epic", "cacheblend", "a3", "prophet", "hypic"), "name:option=value,...", or None (PIC off)
     pic_backend: str | None = "auto"
     revision: str | None = None  # hub id's branch, tag or commit; an error for a local path (it has no revisions)
     tokenizer: str | None = None  # tokenizer directory or hub id; None => the model's own

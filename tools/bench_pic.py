@@ -39,7 +39,7 @@ from nebula_engine.model.tiny import TINY_FAMILIES
 from nebula_engine.pic.backends import get_pic_backend
 from pic_quality import HYBRID_FAMILIES, PICHarness, PromptShape, RagPrompt, TinyModel
 
-ATTENTION_BACKENDS = ("full", "naive", "epic:k=16", "cacheblend:ratio=0.15", "a3:ratio=0.15")
+ATTENTION_BACKENDS = ("full", "naive", "epic:k=16", "cacheblend:ratio=0.15", "a3:ratio=0.15", "prophet:ratio=0.2")
 HYBRID_BACKENDS = ("hypic",)
 GOALS = {"epic": 5.0, "cacheblend": 2.0}  # minimum speed-up over full prefill
 PLAIN = "plain prefill"

@@ -49,7 +49,7 @@ from nebula_engine.pic.combine import CachedSegment, CombineRun, place_reused_kv
 from nebula_engine.pic.layout import CombineLayout
 from nebula_engine.pic.segments import SegmentedPrompt, segment_token_lists
 
-ATTENTION_BACKENDS = ("full", "naive", "epic", "cacheblend", "a3")
+ATTENTION_BACKENDS = ("full", "naive", "epic", "cacheblend", "a3", "prophet")
 EXACT_HYPIC = "hypic:seam=1000000"  # every reused token recomputed: hypic's own exactness check
 HYBRID_BACKENDS = (EXACT_HYPIC, "hypic")
 HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe")

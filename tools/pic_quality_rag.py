@@ -28,12 +28,13 @@ from pic_quality import PICHarness, full_reference, kl_per_row, teacher_forced_l
 from nebula_engine.bench.results_page import DOCS_RESULTS, ResultsPage, Table, invoked_command, write_page
 
 REPLY_TOKENS = 20
-DEFAULT_SPECS = ("full", "naive", "epic", "cacheblend", "a3")
+DEFAULT_SPECS = ("full", "naive", "epic", "cacheblend", "a3", "prophet")
 # per backend, settings besides its default whose recomputed share spans ~5-30% of the reused tokens on these
 # prompts (documents of ~60 tokens: epic's default k=16 recomputes ~26%, k=4 ~7%)
 SWEEPS = {"epic": ("epic:k=2", "epic:k=4", "epic:k=8"),
           "cacheblend": ("cacheblend:ratio=0.05", "cacheblend:ratio=0.3"),
-          "a3": ("a3:ratio=0.05", "a3:ratio=0.3")}
+          "a3": ("a3:ratio=0.05", "a3:ratio=0.3"),
+          "prophet": ("prophet:ratio=0.1", "prophet:ratio=0.3")}
 SWEEP_SPECS = tuple(spec for specs in SWEEPS.values() for spec in specs)
 
 
@@ -281,15 +282,24 @@ def finish(report: dict, markdown: str | None, png: str | None, docs_page: str |
 
 def merge(paths: list[str], markdown: str | None, png: str | None, model: str | None = None,
           docs_page: str | None = None, notes: tuple[str, ...] = ()) -> dict:
-    """One report from runs over disjoint prompts (``--out`` JSONs, or progress files) with the same specs; the
-    commands that measured them (recorded in the JSONs) go on the page."""
+    """One report from runs (``--out`` JSONs, or progress files) over disjoint prompts with the same specs, or over
+    the same prompts with disjoint specs (one run's rows beside another's); the commands that measured them
+    (recorded in the JSONs) go on the page."""
     parts = [json.loads(Path(path).read_text()) for path in paths]
     specs = [list(part["rows"]) for part in parts]
-    if any(s != specs[0] for s in specs):
-        raise SystemExit(f"--merge needs runs of the same backend specs, got {specs}")
-    rows = {spec: [row for part in parts for row in part["rows"][spec]] for spec in specs[0]}
+    prompts = [[(off["answer"], off["num_tokens"]) for off in part["pic_off"]] for part in parts]
+    every_spec = [spec for part_specs in specs for spec in part_specs]
+    if all(s == specs[0] for s in specs):
+        rows = {spec: [row for part in parts for row in part["rows"][spec]] for spec in specs[0]}
+        pic_off = [o for part in parts for o in part["pic_off"]]
+    elif all(p == prompts[0] for p in prompts) and len(set(every_spec)) == len(every_spec):
+        rows = {spec: part["rows"][spec] for part in parts for spec in part["rows"]}
+        pic_off = parts[0]["pic_off"]
+    else:
+        raise SystemExit(f"--merge needs runs of the same backend specs over disjoint prompts, or of disjoint specs "
+                         f"over the same prompts; got specs {specs} over {[len(p) for p in prompts]} prompts")
     first = parts[0]
     return finish({"model": first.get("model", model or "?"), "segment_sink": first.get("segment_sink"),
-                   "pic_off": [o for part in parts for o in part["pic_off"]], "rows": rows,
+                   "pic_off": pic_off, "rows": rows,
                    "measured_by": [part["command"] for part in parts if part.get("command")]},
                   markdown, png, docs_page, notes=notes)

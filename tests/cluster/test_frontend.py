@@ -257,10 +257,10 @@ def test_a_refused_submission_goes_to_the_leader_again_and_errors_reach_the_clie
     asyncio.run(scenario())
 
 
-@pytest.mark.parametrize("asked, sent", [({}, "epic"), (dict(pic_backend=None), None),
+@pytest.mark.parametrize("asked, sent", [({}, "prophet"), (dict(pic_backend=None), None),
                                          (dict(pic_backend="cacheblend:ratio=0.3"), "cacheblend:ratio=0.3")])
 def test_the_submission_carries_the_backend_admission_resolved(engine, asked, sent):
-    """No spec: the front end's engine default ("auto" is EPIC on this attention-only model), named so that every
+    """No spec: the front end's engine default ("auto" is prophet on this attention-only model), named so that every
     peer reads the same backend."""
     async def scenario():
         harness = Harness(engine)

@@ -13,7 +13,7 @@ from tests.model_cases import HYBRID_AND_MLA_CASES, MODEL_CASES, checkpoint_fact
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 ATTENTION_EXACT = ("full", "cacheblend:ratio=1.0", "cacheblend:ratio=1.0,weight=question", "epic:k=100000",
-                   "a3:ratio=1.0")
+                   "a3:ratio=1.0", "prophet:ratio=1.0")
 CASES = [(case, spec) for case in MODEL_CASES + HYBRID_AND_MLA_CASES
          for spec in (("hypic:seam=100000",) if case.family.startswith("qwen3_5") else ATTENTION_EXACT)]
 
@@ -77,7 +77,8 @@ def test_reuse_without_recompute_is_not_exact(engines, case):
 
 @pytest.mark.parametrize("spec,expected", [("naive", 0), ("epic:k=4", 3 * 4), ("cacheblend:ratio=0.25", 16),
                                            ("cacheblend:ratio=0.25,weight=question,sink=0", 16),
-                                           ("a3:ratio=0.5", 32), ("hypic:seam=4", 3 * 4)])
+                                           ("a3:ratio=0.5", 32), ("hypic:seam=4", 3 * 4),
+                                           ("prophet:ratio=0.25,sink=0", 16), ("prophet:ratio=0.25", 16)])
 def test_recompute_counts_follow_the_backend(engines, spec, expected):
     from tests.model_cases import CASES_BY_NAME
 
@@ -89,11 +90,11 @@ def test_recompute_counts_follow_the_backend(engines, spec, expected):
 
 @pytest.mark.parametrize("case", [c for c in MODEL_CASES if c.name == "mistral_gqa2"]
                          + [c for c in HYBRID_AND_MLA_CASES if c.family == "deepseek_v2"][:1], ids=str)
-def test_question_weighted_cacheblend_scores_gqa_and_mla_keys(engines, case):
+@pytest.mark.parametrize("spec", ["cacheblend:ratio=0.5,weight=question,sink=0", "prophet:ratio=0.5,sink=0"])
+def test_question_attention_scores_gqa_and_mla_keys(engines, case, spec):
     """The question's attention is computed from GQA keys (repeated per head) and from MLA's decompressed keys."""
     llm = engines(case)
-    pic = llm.generate({"segments": rag_prompt(seed=6, order=(2, 1, 0))}, GREEDY,
-                       pic_backend="cacheblend:ratio=0.5,weight=question,sink=0")[0]
+    pic = llm.generate({"segments": rag_prompt(seed=6, order=(2, 1, 0))}, GREEDY, pic_backend=spec)[0]
     assert pic.num_pic_cached_tokens == 64 and pic.num_recomputed_tokens == 32
 
 

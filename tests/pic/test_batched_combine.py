@@ -14,7 +14,7 @@ from tests.model_cases import CASES_BY_NAME, checkpoint_factory  # noqa: F401  (
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 BACKENDS = ("full", "naive", "epic:k=3", "cacheblend:ratio=0.3", "cacheblend:check_layers=0/1,ratios=0.5/0.25",
-            "a3:ratio=0.4", "a3:ratio=0.4,softmax=context")
+            "a3:ratio=0.4", "a3:ratio=0.4,softmax=context", "prophet:ratio=0.4", "prophet:ratio=0.4,queries=last")
 CASES = ("qwen3_gqa2_hd20", "mistral_sliding_window6", "deepseek_v2_lite_greedy_yarn")
 
 

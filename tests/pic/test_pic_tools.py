@@ -50,7 +50,7 @@ def test_quality_report_structure_and_json(quality, capsys):
     assert report["caveat"] and "attention sinks" in report["caveat"]
     assert [run["model"]["family"] for run in report["runs"]] == ["mistral", "qwen3_5"]
     mistral, hybrid = report["runs"]
-    assert list(by_backend(mistral)) == ["full", "naive", "epic", "cacheblend", "a3"]
+    assert list(by_backend(mistral)) == ["full", "naive", "epic", "cacheblend", "a3", "prophet"]
     assert list(by_backend(hybrid)) == ["hypic:seam=1000000", "hypic"]
     assert mistral["prompt"]["num_tokens"] == 1 + 8 + 2 * 24 + 6  # Mistral's BOS opens the prompt
     for run in report["runs"]:
@@ -83,6 +83,7 @@ def test_reuse_counts_and_deviations_follow_the_backend(quality):
     assert naive["kv_deviation"][-1]["value"] > 1e-3
     assert results["epic"]["num_recomputed"] == 2 * 16  # the first k=16 tokens of each document
     assert results["cacheblend"]["num_recomputed"] == results["a3"]["num_recomputed"] == 7  # floor(0.15 * 48)
+    assert results["prophet"]["num_recomputed"] == 9  # floor(0.2 * 48)
     assert naive["cost_fraction"] < results["epic"]["cost_fraction"] < results["full"]["cost_fraction"] == 1.0
     assert by_backend(report["runs"][1])["hypic"]["num_recomputed"] == 2 * 16  # the seam of each document
 
@@ -117,11 +118,12 @@ def test_bench_times_every_backend_against_full_prefill(tmp_path):
     result = import_tool("bench_pic").main(BENCH_TINY + ["--layers", "2", "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     rows = {row["backend"]: row for row in result["results"]}
-    assert list(rows) == ["plain prefill", "full", "naive", "epic:k=16", "cacheblend:ratio=0.15", "a3:ratio=0.15"]
+    assert list(rows) == ["plain prefill", "full", "naive", "epic:k=16", "cacheblend:ratio=0.15", "a3:ratio=0.15",
+                          "prophet:ratio=0.2"]
     assert result["num_tokens"] == 1 + 2 * 32 + 8 and result["baseline"] == "full" and result["threads"] == 1
     assert all(row["ms"] > 0 for row in rows.values()) and result["place_ms"] > 0
     assert rows["full"]["speedup_vs_full"] == 1.0 and rows["plain prefill"]["speedup_vs_plain"] == 1.0
-    assert [rows[name]["num_recomputed"] for name in list(rows)[1:]] == [64, 0, 32, 9, 9]
+    assert [rows[name]["num_recomputed"] for name in list(rows)[1:]] == [64, 0, 32, 9, 9, 12]
     assert isinstance(rows["epic:k=16"]["goal_met"], bool) and rows["epic:k=16"]["goal"] == 5.0
     assert rows["cacheblend:ratio=0.15"]["goal"] == 2.0 and rows["naive"]["goal"] is None
 
@@ -185,6 +187,25 @@ def test_merge_pools_the_rows_of_runs_over_disjoint_prompts(tmp_path, capsys, mo
         bad = tmp_path / "c.json"
         bad.write_text(json.dumps({"rows": {"epic": []}, "pic_off": []}))
         rag.merge([str(tmp_path / "a.json"), str(bad)], None, None)
+
+
+def test_merge_sets_runs_of_other_backends_over_the_same_prompts_side_by_side(tmp_path):
+    rag = import_tool("pic_quality_rag")
+    keys = ("recomputed", "reused_share", "kl_next", "top1_next", "kl_tf", "top1_tf", "match20", "correct",
+            "combine_share")
+    off = [{"correct": 1.0, "reply": "r", "answer": "a", "num_tokens": 10},
+           {"correct": 0.0, "reply": "s", "answer": "b", "num_tokens": 12}]
+
+    def part(path, spec, kl, prompts=off):
+        rows = [{**dict.fromkeys(keys, 0.5), "kl_next": kl, "reply": "r"} for _ in prompts]
+        path.write_text(json.dumps({"model": "m", "segment_sink": None, "rows": {spec: rows}, "pic_off": prompts}))
+        return str(path)
+
+    report = rag.merge([part(tmp_path / "a.json", "naive", 0.4), part(tmp_path / "b.json", "epic", 0.1)], None, None)
+    assert report["num_prompts"] == 2 and report["pic_off_accuracy"] == 0.5
+    assert {r["backend"]: r["kl_next"] for r in report["results"]} == pytest.approx({"naive": 0.4, "epic": 0.1})
+    with pytest.raises(SystemExit, match="disjoint specs over the same prompts"):  # other prompts: not comparable
+        rag.merge([str(tmp_path / "a.json"), part(tmp_path / "c.json", "epic", 0.1, off[:1])], None, None)
 
 
 def test_oracle_scores_are_errors_relative_to_the_full_prefill_and_follow_the_question_attention():
