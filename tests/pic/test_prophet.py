@@ -90,3 +90,18 @@ def test_bad_options_are_clear_errors(harness):
             get_pic_backend(spec)
     with pytest.raises(ValueError, match="first_layer 99 but the model has"):
         get_pic_backend("prophet:first_layer=99").check_model(harness.harness.model)
+
+
+def test_scores_computed_a_few_queries_at_a_time_are_the_same(harness, monkeypatch):
+    from nebula_engine.pic.backends import prophet
+
+    h, segmented = harness.harness, harness.segmented
+    table = h.allocate(len(segmented.token_ids))
+    try:
+        run = h.combine_run(Prophet(), segmented, table)
+        whole, = question_attention_scores([run])
+        monkeypatch.setattr(prophet, "SCORE_CHUNK_ELEMENTS", 1)  # one question token per chunk
+        chunked, = question_attention_scores([run])
+    finally:
+        h.release(table)
+    torch.testing.assert_close(chunked, whole)

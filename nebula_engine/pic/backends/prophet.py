@@ -82,8 +82,8 @@ class Prophet(PICBackend):
         reused = run.positions(layout.reused_positions)
         count = min(int(math.floor(self.ratio * layout.num_reused + 1e-9)), reused.numel())
         if self.pool_kernel > 1:
-            scores = F.avg_pool1d(scores.float()[None, None], self.pool_kernel, stride=1, padding=self.pool_kernel // 2,
-                                  count_include_pad=True)[0, 0]
+            scores = F.avg_pool1d(scores.float()[None, None], self.pool_kernel, stride=1,
+                                  padding=self.pool_kernel // 2, count_include_pad=True)[0, 0]
         ranked = scores[reused].float()
         if self.sink:
             heads = set(segment_heads(layout, self.sink))
@@ -99,6 +99,8 @@ class Prophet(PICBackend):
 
 
 QUERIES = ("question", "last")
+# fp32 logits scored at once: 64 MiB, so a long prompt's question never needs [heads, question, prompt] at once
+SCORE_CHUNK_ELEMENTS = 1 << 24
 
 
 def question_attention_scores(runs: list[CombineRun], first_layer: int = 0,
@@ -135,11 +137,15 @@ class _QuestionAttention:
             keyed = run.positions(range(run.layout.num_tokens))
             queries, keys = question_queries_and_keys(run, layer_idx, recorded, question, keyed)  # [Lq,H,D], [N,H,D]
             attention = run.model.attention_layers()[layer_idx]
-            logits = torch.einsum("thd,nhd->htn", queries.float(), keys.float()) * attention.scale
-            distance = part[question][:, None] - keyed[None, :]  # [Lq, N]
-            unseen = distance < 0
             window = getattr(attention, "sliding_window", None)
-            if window is not None:  # a query sees only the last ``window`` keys, itself included
-                unseen |= distance >= window
-            score += logits.masked_fill(unseen[None], float("-inf")).softmax(dim=-1).sum(dim=(0, 1))
+            query_positions, keys = part[question], keys.float()
+            step = max(1, SCORE_CHUNK_ELEMENTS // (keys.shape[0] * keys.shape[1]))
+            for first in range(0, query_positions.numel(), step):  # [H, chunk, N] logits at a time, not [H, Lq, N]
+                chunk = slice(first, first + step)
+                logits = torch.einsum("thd,nhd->htn", queries[chunk].float(), keys) * attention.scale
+                distance = query_positions[chunk, None] - keyed[None, :]  # [chunk, N]
+                unseen = distance < 0
+                if window is not None:  # a query sees only the last ``window`` keys, itself included
+                    unseen |= distance >= window
+                score += logits.masked_fill(unseen[None], float("-inf")).softmax(dim=-1).sum(dim=(0, 1))
         return rows._replace(hidden=hidden)
