@@ -34,7 +34,7 @@ import torch
 from nebula_engine.cluster.control.config import ClusterProfile, PrefillTimeModel, TransferLink
 from nebula_engine.devices import machine_cores
 
-ATTENTION_BACKENDS = ("full", "naive", "epic", "cacheblend", "a3")
+ATTENTION_BACKENDS = ("full", "naive", "epic", "cacheblend", "a3", "prophet")
 HYBRID_BACKENDS = ("hypic",)
 PLAIN = "plain prefill"
 TRANSFER_PAGES = (1, 4, 16, 64, 256)
@@ -331,6 +331,8 @@ def build_profile(options: ProfileOptions, log: Callable[[str], None] = lambda l
     host, disk = fit_link(to_bytes(measure_host_load(probe))), fit_link(to_bytes(measure_disk_load(probe)))
     log(f"transfer ({mode}): {link}; host tier: {host}; disk tier: {disk}")
     engine_backend = probe.engine.pic_backend.name if probe.engine.pic_backend is not None else "full"
+    if costs and engine_backend not in costs:  # --backend left the default out: the profile runs what it measured
+        engine_backend = next(name for name in costs)
     profile = ClusterProfile(
         name=f"measured-{platform.node() or 'host'}", prefill=prefill, kv_bytes_per_token=bytes_per_token,
         intra_node=link, inter_node=link, host_load=host, disk_load=disk, gpus_per_node=1 << 10,
@@ -364,7 +366,8 @@ def sources(options: ProfileOptions, mode: str, prefill_samples, combines, trans
         "cache_capacity_tokens": f"engine pool: {options.num_pages} pages x {options.page_size} tokens",
         "host_capacity_tokens": "engine option host_cache_tokens",
         "max_batch_tokens": "engine option max_num_batched_tokens",
-        "pic_backend": "the engine's default backend for this model ('auto')",
+        "pic_backend": "the engine's default backend for this model ('auto'), or the first one measured when "
+                       "--backend leaves the default out",
         "shared_compute": "CPU: the workers' processes share this machine's cores" if options.device == "cpu"
         else "one device per worker",
         "node_cores": "cores of this machine the workers' forwards share (each forward uses all cores when alone: "
