@@ -55,14 +55,8 @@ class CheckLayerBackend(PICBackend):
         (``scores`` [R] over the reused rows still in ``rows``, in order)."""
         reused_positions = run.layout.reused_position_set
         reused = torch.tensor([p in reused_positions for p in rows.tolist()], device=rows.device, dtype=torch.bool)
-        count = min(int(math.floor(ratio * run.layout.num_reused + 1e-9)), int(reused.sum()))
         reused_index = reused.nonzero().flatten()
-        if self.sink:
-            heads = set(segment_heads(run.layout, self.sink))
-            is_head = torch.tensor([int(p) in heads for p in rows[reused_index].tolist()], device=rows.device,
-                                   dtype=torch.bool)
-            scores = torch.where(is_head, torch.full_like(scores, float("inf")), scores)
-        chosen = reused_index[select_top_tokens(scores, count)] if count else reused_index[:0]
+        chosen = reused_index[top_reused(run.layout, rows[reused_index], scores, ratio, self.sink)]
         return torch.cat([(~reused).nonzero().flatten(), chosen]).sort().values
 
     def reused_rows(self, run: CombineRun, rows: torch.Tensor) -> torch.Tensor:
@@ -77,6 +71,21 @@ class CheckLayerBackend(PICBackend):
 
     def _final_ratio(self) -> float:
         raise NotImplementedError
+
+
+def top_reused(layout: CombineLayout, reused: torch.Tensor, scores: torch.Tensor, ratio: float,
+               sink: int) -> torch.Tensor:
+    """Indices into ``reused`` (positions [R] of reused tokens, ``scores`` [R]) of the ``ratio`` share of the
+    layout's reused tokens: the first ``sink`` of each segment not starting the prompt (EPIC's attention-sink heads),
+    then those with top ``scores``."""
+    count = min(int(math.floor(ratio * layout.num_reused + 1e-9)), reused.numel())
+    if sink:
+        heads = set(segment_heads(layout, sink))
+        is_head = torch.tensor([int(p) in heads for p in reused.tolist()], device=scores.device, dtype=torch.bool)
+        scores = torch.where(is_head, torch.full_like(scores, float("inf")), scores)
+    if not count:
+        return torch.zeros(0, dtype=torch.int64, device=scores.device)
+    return select_top_tokens(scores, count)
 
 
 def question_queries_and_keys(run: CombineRun, layer_idx: int, recorded: Mapping[str, torch.Tensor],

@@ -25,11 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nebula_engine.kernels.pic_ops import select_top_tokens
 from nebula_engine.model.base import LayerRows
 from nebula_engine.pic.backends.base import PICBackend
-from nebula_engine.pic.backends.check_layer import question_queries_and_keys
-from nebula_engine.pic.backends.epic import segment_heads
+from nebula_engine.pic.backends.check_layer import question_queries_and_keys, top_reused
 from nebula_engine.pic.combine import CombineResult, CombineRun, blended_forward_many, combine_context
 from nebula_engine.pic.layout import CombineLayout
 
@@ -80,17 +78,10 @@ class Prophet(PICBackend):
         """The fresh rows, then the sink heads and the top-scoring reused tokens up to the ``ratio`` budget."""
         layout = run.layout
         reused = run.positions(layout.reused_positions)
-        count = min(int(math.floor(self.ratio * layout.num_reused + 1e-9)), reused.numel())
         if self.pool_kernel > 1:
-            scores = F.avg_pool1d(scores.float()[None, None], self.pool_kernel, stride=1,
-                                  padding=self.pool_kernel // 2, count_include_pad=True)[0, 0]
-        ranked = scores[reused].float()
-        if self.sink:
-            heads = set(segment_heads(layout, self.sink))
-            is_head = torch.tensor([p in heads for p in layout.reused_positions], dtype=torch.bool,
-                                   device=ranked.device)
-            ranked = torch.where(is_head, torch.full_like(ranked, float("inf")), ranked)
-        chosen = reused[select_top_tokens(ranked, count)].tolist() if count else []
+            scores = F.avg_pool1d(scores[None, None], self.pool_kernel, stride=1, padding=self.pool_kernel // 2,
+                                  count_include_pad=True)[0, 0]
+        chosen = reused[top_reused(layout, reused, scores[reused], self.ratio, self.sink)].tolist()
         return sorted(set(layout.fresh_positions) | set(chosen))
 
     def combine_cost(self, layout: CombineLayout, num_layers: int) -> float:
@@ -121,20 +112,21 @@ class _QuestionAttention:
     go on unchanged. The rows' context records the queries each layer attends with."""
 
     def __init__(self, runs: list[CombineRun], rows: list[torch.Tensor], first_layer: int, last_only: bool):
-        self.runs, self.rows, self.first_layer, self.last_only = runs, rows, first_layer, last_only
+        self.runs, self.rows, self.first_layer = runs, rows, first_layer
         device = runs[0].token_ids.device
         self.scores = [torch.zeros(run.layout.num_tokens, dtype=torch.float32, device=device) for run in runs]
+        self.keyed = [run.positions(range(run.layout.num_tokens)) for run in runs]  # every key a query may see
+        self.question = [part >= (run.layout.num_tokens - 1 if last_only else run.layout.question_start)
+                         for run, part in zip(runs, rows)]  # [rows] bool: the queries that score
 
     def __call__(self, layer_idx: int, layer: nn.Module, rows: LayerRows) -> LayerRows:
         hidden = layer(*rows)
         if layer_idx < self.first_layer:
             return rows._replace(hidden=hidden)
         start = 0
-        for run, part, score in zip(self.runs, self.rows, self.scores):
+        for run, part, score, keyed, question in zip(self.runs, self.rows, self.scores, self.keyed, self.question):
             recorded = {name: value[start:start + part.numel()] for name, value in rows.attn_ctx.recorded.items()}
             start += part.numel()
-            question = part >= (run.layout.num_tokens - 1 if self.last_only else run.layout.question_start)
-            keyed = run.positions(range(run.layout.num_tokens))
             queries, keys = question_queries_and_keys(run, layer_idx, recorded, question, keyed)  # [Lq,H,D], [N,H,D]
             attention = run.model.attention_layers()[layer_idx]
             window = getattr(attention, "sliding_window", None)
