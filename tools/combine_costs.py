@@ -10,6 +10,7 @@ the shipped profiles.
 
     python tools/combine_costs.py                 # prints the table
     python tools/combine_costs.py --write         # and updates nebula_engine/cluster/control/profiles/*.json
+    python tools/combine_costs.py --write --add prophet   # adds one backend's cost, keeping the others
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 from nebula_engine.bench.profile import EngineProbe, ProfileOptions, combine_costs, measure_combines
 from nebula_engine.model.tiny import cached_checkpoint
 
-PROFILES = Path(__file__).resolve().parent.parent / "nebula_engine" / "cluster" / "profiles"
+PROFILES = Path(__file__).resolve().parent.parent / "nebula_engine" / "cluster" / "control" / "profiles"
 SMALL = dict(hidden_size=256, num_attention_heads=8, head_dim=32, intermediate_size=768, max_position_embeddings=8192)
 # profile file -> (checkpoint name, tiny family, the paper model's layer structure)
 SHAPES = {
@@ -50,18 +51,38 @@ def measure(model: str, repeats: int) -> tuple[dict[str, float], str]:
     return combine_costs(rows), detail
 
 
+def row_ms(detail: str, backend: str) -> str:
+    """One backend's milliseconds from ``measure``'s detail ("plain prefill 746; epic 169; ...")."""
+    return next(item.split()[-1] for item in detail.split("; ") if item.split()[0] == backend)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--write", action="store_true", help="store the costs in the shipped profiles")
     parser.add_argument("--only", default=None, help="comma-separated profile files to measure")
+    parser.add_argument("--add", default=None,
+                        help="comma-separated backends: --write stores only their costs, each beside the others "
+                             "already stored, and notes the run they come from")
     args = parser.parse_args()
     for profile_file, (name, family, shape) in SHAPES.items():
         if args.only and profile_file not in args.only.split(","):
             continue
         costs, detail = measure(checkpoint(name, family, shape), args.repeats)
         print(f"{profile_file:<24} {family:<12} {costs}  (single-core ms: {detail})", flush=True)
-        if args.write:
+        if args.write and args.add:
+            path = PROFILES / profile_file
+            data = json.loads(path.read_text())
+            added = {name: cost for name, cost in costs.items() if name in args.add.split(",")}
+            if not added:
+                continue
+            plain = detail.split(";")[0]  # "plain prefill N"
+            data["combine_cost"] = {**data["combine_cost"], **added}
+            data["sources"]["combine_cost"] += "; " + ", ".join(
+                f"{name} added {time.strftime('%Y-%m-%d')} by tools/combine_costs.py --add {name} (same measurement; "
+                f"single-core ms: {plain}; {name} {row_ms(detail, name)})" for name in added)
+            path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+        elif args.write:
             path = PROFILES / profile_file
             data = json.loads(path.read_text())
             data["combine_cost"] = {**data["combine_cost"], **costs}

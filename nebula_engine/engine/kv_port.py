@@ -44,6 +44,9 @@ class KVPort:
         self.kv_geometry = KVGeometry(storage.page_size, storage.num_pages, sum(
             t[0].numel() * t.element_size() for tensors in storage.layer_caches for t in tensors) // storage.page_size)
         self.caches_prefixes: bool = self._engine.scheduler.prefix_cache is not None
+        # the name of the PIC backend requests get by default (None: PIC off), which the planner costs combines by
+        self.pic_backend_name: str | None = (self._engine.pic_backend.name
+                                             if self._engine.pic_backend is not None else None)
         # a hybrid model's combine starts at position 0 (``Scheduler._match_prefix``): a cached lead does not help it
         self.combines_start_after_prefix: bool = (self.caches_prefixes
                                                   and self._engine.scheduler.kv_cache.state_slots is None)

@@ -17,6 +17,7 @@ from nebula_engine.engine.request_port import RequestPort
 from nebula_engine.engine.sampling_params import SamplingParams
 from nebula_engine.devices import machine_cores
 from nebula_engine.kvcache.events import Tier
+from nebula_engine.pic.backends import PIC_BACKENDS
 
 PAGE = 4  # the engine fixture's page size
 
@@ -50,6 +51,7 @@ def test_the_port_reads_the_engine_geometry(port, engine):
     assert geometry.page_size == port.page_size == PAGE and geometry.num_pages == 256
     assert geometry.bytes_per_token > 0
     assert port.caches_prefixes
+    assert port.pic_backend_name == engine.engine.pic_backend.name  # what the planner costs combines by
     assert port.segment_key("epic", segment(100)) == engine.engine.segment_key("epic", segment(100)) != ""
 
 
@@ -348,3 +350,15 @@ def test_the_cost_profile_carries_the_engine_geometry_and_the_measured_prefill()
     assert profile.combine_queues and profile.lead_while_waiting and profile.expected_copies_wait
     hybrid = measured_cluster_config(spec, KVGeometry(4, 10, 96), 0.002, lead_while_waiting=False)
     assert not hybrid.profile.lead_while_waiting
+
+
+def test_the_cost_profile_plans_combines_at_the_cost_of_the_backend_the_peers_run():
+    spec, kv = local_spec(2, 1), KVGeometry(4, 10, 96)
+    default = measured_cluster_config(spec, kv, 0.002).profile
+    assert set(PIC_BACKENDS) <= set(default.combine_cost)  # every backend a peer can run has a measured cost
+    for name in PIC_BACKENDS:
+        profile = measured_cluster_config(spec, kv, 0.002, pic_backend=name).profile
+        assert profile.pic_backend == name and profile.combine_ratio == default.combine_cost[name]
+    assert measured_cluster_config(spec, kv, 0.002, pic_backend=None).profile.pic_backend == default.pic_backend
+    with pytest.raises(ValueError, match="no combine cost for PIC backend 'mystery'"):
+        measured_cluster_config(spec, kv, 0.002, pic_backend="mystery")

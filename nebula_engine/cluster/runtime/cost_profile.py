@@ -17,7 +17,7 @@ PREFILL_FIXED_S = 0.01
 
 
 def measured_cluster_config(spec: ClusterSpec, kv: KVGeometry, prefill_per_token_s: float,
-                            lead_while_waiting: bool = True) -> ClusterConfig:
+                            lead_while_waiting: bool = True, pic_backend: str | None = None) -> ClusterConfig:
     """``ClusterProfile.load()`` with this engine's KV geometry and ``prefill_per_token_s`` (measured with
     ``RequestPort.prefill_seconds_per_token``); every link is loopback. A read's fixed cost (the pin round
     trip and the insert) is the spec's ``remote_read_latency_s``, paid once per source (``TransferCosts.latency``);
@@ -33,8 +33,17 @@ def measured_cluster_config(spec: ClusterSpec, kv: KVGeometry, prefill_per_token
     home whose combine waits for remote KV prefills the prompt's lead meanwhile (``lead_while_waiting``, the
     worker's ``_prefill_lead``: pass False for an engine whose combines do not start after a cached prefix). A pin
     on a segment its holder has not computed yet waits for that holder's queue, so an expected copy is planned with
-    that wait (``expected_copies_wait``)."""
+    that wait (``expected_copies_wait``).
+
+    ``pic_backend``: the name of the backend the peers' engines run (``LLMEngine.pic_backend``); a combine is then
+    planned at that backend's measured cost per reused token (the profile's ``combine_cost``), not at the cost of
+    the profile's own backend. None (PIC off) keeps the profile's."""
     base = ClusterProfile.load()
+    if pic_backend is not None:
+        if pic_backend not in base.combine_cost:
+            raise ValueError(f"profile {base.name!r} has no combine cost for PIC backend {pic_backend!r}; measured: "
+                             f"{', '.join(sorted(base.combine_cost))} (tools/combine_costs.py measures them)")
+        base = replace(base, pic_backend=pic_backend)
     loopback = TransferLink(bandwidth_bytes_per_s=LOOPBACK_BANDWIDTH_BYTES_PER_S, latency_s=spec.remote_read_latency_s)
     profile = replace(base, name="local-cpu", kv_bytes_per_token=max(1, kv.bytes_per_token), intra_node=loopback,
                       inter_node=loopback, gpus_per_node=len(spec.peers),

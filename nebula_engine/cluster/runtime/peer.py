@@ -89,7 +89,8 @@ class Peer:
         per_token_s = await self.requests.prefill_seconds_per_token()
         logger.info("%s: prefill timed at start-up: %.4f ms a token", self.name, per_token_s * 1e3)
         config = measured_cluster_config(self.spec, self.kv.kv_geometry, per_token_s,
-                                         lead_while_waiting=self.kv.combines_start_after_prefix)
+                                         lead_while_waiting=self.kv.combines_start_after_prefix,
+                                         pic_backend=self.kv.pic_backend_name)
         self.router = RouterService(self.name, [p.name for p in self.spec.prefill_peers],
                                     [p.name for p in self.spec.decode_peers], config, self.spec.policy,
                                     self.send, self._pic_key, self.liveness,
