@@ -70,29 +70,28 @@ def main() -> None:
             continue
         costs, detail = measure(checkpoint(name, family, shape), args.repeats)
         print(f"{profile_file:<24} {family:<12} {costs}  (single-core ms: {detail})", flush=True)
-        if args.write and args.add:
-            path = PROFILES / profile_file
-            data = json.loads(path.read_text())
-            added = {name: cost for name, cost in costs.items() if name in args.add.split(",")}
-            if not added:
-                continue
+        if not args.write:
+            continue
+        added = {backend: cost for backend, cost in costs.items() if backend in args.add.split(",")} if args.add else costs
+        if not added:
+            continue
+        path = PROFILES / profile_file
+        data = json.loads(path.read_text())
+        data["combine_cost"] = {**data["combine_cost"], **added}
+        today = time.strftime('%Y-%m-%d')
+        if args.add:
             plain = detail.split(";")[0]  # "plain prefill N"
-            data["combine_cost"] = {**data["combine_cost"], **added}
             data["sources"]["combine_cost"] += "; " + ", ".join(
-                f"{name} added {time.strftime('%Y-%m-%d')} by tools/combine_costs.py --add {name} (same measurement; "
-                f"single-core ms: {plain}; {name} {row_ms(detail, name)})" for name in added)
-            path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
-        elif args.write:
-            path = PROFILES / profile_file
-            data = json.loads(path.read_text())
-            data["combine_cost"] = {**data["combine_cost"], **costs}
+                f"{backend} added {today} by tools/combine_costs.py --add {backend} (same procedure, its own run; "
+                f"single-core ms: {plain}; {backend} {row_ms(detail, backend)})" for backend in added)
+        else:
             data["sources"]["combine_cost"] = (
-                f"MEASURED by tools/combine_costs.py ({time.strftime('%Y-%m-%d')}, fp32 CPU): nebula-engine profile's "
+                f"MEASURED by tools/combine_costs.py ({today}, fp32 CPU): nebula-engine profile's "
                 f"combine measurement on a random {family} checkpoint with the paper model's structure, "
                 f"{LAYERS_NOTE[profile_file]}, hidden 256; 4 cached segments x 256 + 32-token query, CPU time of "
                 f"each backend's combine over a plain prefill of the same prompt (single-core ms: {detail}). Throughput stays "
                 "from public specs; this ratio is taken to carry over to the GPU")
-            path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+        path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
 
 
 if __name__ == "__main__":
